@@ -1,0 +1,135 @@
+"""Block codecs: raw KV bytes <-> stored bytes. No torch here.
+
+``shuffle-zstd`` (the default) splits the float bytes into byte planes (all first bytes, all
+second bytes, ...). The planes holding exponents compress well, the low mantissa planes hardly
+at all, so each plane is zstd-compressed only when that makes it smaller and is stored as is
+otherwise: most of the size win for a fraction of the decompression time. ``zstd`` and ``raw``
+are kept for comparison. Every codec is lossless; decoding never produces more bytes than the
+caller declares, and any inconsistency raises ``CodecError``.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+
+import numpy as np
+import zstandard as zstd
+
+CODECS = ("shuffle-zstd", "zstd", "raw")
+DEFAULT_CODEC = "shuffle-zstd"
+DEFAULT_LEVEL = 1
+
+_PLANE_RAW = 0
+_PLANE_ZSTD = 1
+_PLANE_HEADER = struct.Struct("<BQ")
+_local = threading.local()
+
+
+class CodecError(ValueError):
+    """Stored bytes that do not decode to the declared size (damaged or hostile data)."""
+
+
+def _compressor(level: int) -> zstd.ZstdCompressor:
+    # zstd contexts are not thread-safe: one per thread and level.
+    cache = _local.__dict__.setdefault("compressors", {})
+    if level not in cache:
+        cache[level] = zstd.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+    return cache[level]
+
+
+def _decompressor() -> zstd.ZstdDecompressor:
+    if not hasattr(_local, "decompressor"):
+        _local.decompressor = zstd.ZstdDecompressor()
+    return _local.decompressor
+
+
+def _zstd_decode(data: bytes | memoryview, size: int) -> bytes:
+    try:
+        declared = zstd.frame_content_size(data)
+    except zstd.ZstdError as exc:
+        raise CodecError(f"bad zstd frame: {exc}") from None
+    if declared != size:
+        raise CodecError(f"zstd frame declares {declared} bytes, expected {size}")
+    try:
+        out = _decompressor().decompress(data, max_output_size=size)
+    except zstd.ZstdError as exc:
+        raise CodecError(f"zstd: {exc}") from None
+    if len(out) != size:
+        raise CodecError(f"zstd produced {len(out)} bytes, expected {size}")
+    return out
+
+
+def encode(raw: bytes | memoryview, itemsize: int, codec: str = DEFAULT_CODEC, level: int = DEFAULT_LEVEL) -> bytes:
+    """Encode ``raw`` (elements of ``itemsize`` bytes) with ``codec``."""
+    if codec == "raw":
+        return bytes(raw)
+    if codec == "zstd":
+        return _compressor(level).compress(raw)
+    if codec == "shuffle-zstd":
+        return _encode_shuffled(raw, itemsize, level)
+    raise ValueError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
+
+
+def decode(stored: bytes | memoryview, raw_size: int, itemsize: int, codec: str) -> bytes | bytearray:
+    """Decode ``stored`` back to exactly ``raw_size`` bytes, or raise ``CodecError``."""
+    if codec == "raw":
+        if len(stored) != raw_size:
+            raise CodecError(f"raw block holds {len(stored)} bytes, expected {raw_size}")
+        return bytes(stored)
+    if codec == "zstd":
+        return _zstd_decode(stored, raw_size)
+    if codec == "shuffle-zstd":
+        return _decode_shuffled(stored, raw_size, itemsize)
+    raise CodecError(f"unknown codec {codec!r}")
+
+
+def _encode_shuffled(raw: bytes | memoryview, itemsize: int, level: int) -> bytes:
+    data = np.frombuffer(raw, dtype=np.uint8)
+    if data.size % itemsize:
+        raise ValueError(f"{data.size} bytes is not a whole number of {itemsize}-byte elements")
+    planes = np.ascontiguousarray(data.reshape(-1, itemsize).T)  # [itemsize, n]
+    header = [struct.pack("<B", itemsize)]
+    payloads = []
+    for plane in planes:
+        packed = _compressor(level).compress(plane.data)
+        if len(packed) < plane.size:
+            header.append(_PLANE_HEADER.pack(_PLANE_ZSTD, len(packed)))
+            payloads.append(packed)
+        else:
+            header.append(_PLANE_HEADER.pack(_PLANE_RAW, plane.size))
+            payloads.append(plane.tobytes())
+    return b"".join(header + payloads)
+
+
+def _decode_shuffled(stored: bytes | memoryview, raw_size: int, itemsize: int) -> bytearray:
+    view = memoryview(stored)
+    if raw_size % itemsize:
+        raise CodecError(f"declared size {raw_size} is not a multiple of {itemsize}")
+    if len(view) < 1 or view[0] != itemsize:
+        raise CodecError("byte-plane header does not match the element size")
+    n = raw_size // itemsize
+    pos = 1 + itemsize * _PLANE_HEADER.size
+    if len(view) < pos:
+        raise CodecError("byte-plane header is truncated")
+    out = bytearray(raw_size)
+    # [n, itemsize] view of the output: plane i fills column i.
+    grid = np.frombuffer(out, dtype=np.uint8).reshape(n, itemsize)
+    for i in range(itemsize):
+        mode, length = _PLANE_HEADER.unpack_from(view, 1 + i * _PLANE_HEADER.size)
+        if length > len(view) - pos:
+            raise CodecError(f"byte plane {i} runs past the end of the block")
+        payload = view[pos : pos + length]
+        pos += length
+        if mode == _PLANE_RAW:
+            if length != n:
+                raise CodecError(f"raw byte plane {i} holds {length} bytes, expected {n}")
+            plane = np.frombuffer(payload, dtype=np.uint8)
+        elif mode == _PLANE_ZSTD:
+            plane = np.frombuffer(_zstd_decode(payload, n), dtype=np.uint8)
+        else:
+            raise CodecError(f"byte plane {i} has unknown mode {mode}")
+        grid[:, i] = plane
+    if pos != len(view):
+        raise CodecError(f"{len(view) - pos} trailing bytes after the byte planes")
+    return out

@@ -1,0 +1,35 @@
+"""The kvsnap error family.
+
+Everything a user, a file or a model can cause is a ``KvsnapError``; the CLI catches only
+this family and prints its one-line message. ``assert`` is kept for internal invariants.
+"""
+
+from __future__ import annotations
+
+
+class KvsnapError(Exception):
+    """Base of every error a user can cause or fix."""
+
+
+class SnapshotError(KvsnapError):
+    """A ``.kv`` file is damaged, truncated, foreign or of an unsupported version."""
+
+
+class SnapshotVersionError(SnapshotError):
+    """The file's ``format_version`` is not one this kvsnap reads."""
+
+
+class ForeignSnapshotError(SnapshotError):
+    """The snapshot was written for another model, dtype, block size or namespace."""
+
+
+class ModelError(KvsnapError):
+    """A model cannot be found, installed, converted or is not supported."""
+
+
+class UnsupportedModelError(ModelError):
+    """The model's cache is not a plain full-attention dynamic cache."""
+
+
+class ConfigError(KvsnapError):
+    """A setting (sampling, chunk size, device, dtype, ...) is invalid."""

@@ -1,0 +1,528 @@
+"""The ``.kv`` snapshot file: write (atomically), read lazily, verify. No torch here.
+
+A ``.kv`` file is a valid safetensors file::
+
+    __metadata__["kvsnap"]           JSON: version, model identity, cache layout, codec, blocks
+    __metadata__["kvsnap_checksum"]  xxh3-64 of that JSON, so a damaged header is refused
+    tokens                           int32 [num_tokens], all tokens the KV covers
+    block.000000 ...                 uint8 [stored_bytes], one per block: the block's K and V for
+                                     every layer, raw layout [layers, 2, kv_heads, tokens, head_dim],
+                                     encoded by the codec named in the metadata
+    last_logits                      float32 [vocab], optional: logits after the last token
+
+Reading is lazy: ``Snapshot.read_blocks`` touches only the blocks asked for, checks each
+block's checksum, and decodes them in parallel threads. Every way the file can be wrong ends in
+``SnapshotError`` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+from safetensors import safe_open
+
+from kvsnap import codec as codecs
+from kvsnap import hashing
+from kvsnap.errors import ForeignSnapshotError, SnapshotError, SnapshotVersionError
+
+FORMAT_VERSION = 1
+READABLE_VERSIONS = (1,)
+KV_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_MAX_TOKENS = 1 << 26
+_MAX_LAYOUT_DIM = 1 << 16
+_DECODE_WORKERS = max(1, min(8, os.cpu_count() or 1))
+
+
+def checksum(data: bytes | memoryview | np.ndarray) -> str:
+    """Integrity checksum (not a security hash): xxh3-64, hex."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Shape of one token's KV across the model: ``[layers, 2, kv_heads, head_dim]`` of ``dtype``."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # "float32" | "bfloat16" | "float16"
+
+    @property
+    def itemsize(self) -> int:
+        return KV_DTYPES[self.dtype]
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedBlock:
+    """One block as stored: kept by sessions so the next save does not encode it again."""
+
+    num_tokens: int
+    hash: bytes | None  # chained hash; None for a partial tail block
+    raw_bytes: int
+    stored: bytes
+    checksum: str
+
+
+@dataclass(frozen=True, slots=True)
+class BlockInfo:
+    index: int
+    num_tokens: int
+    hash: bytes | None
+    raw_bytes: int
+    stored_bytes: int
+    checksum: str
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotMeta:
+    format_version: int
+    model: str
+    fingerprint: str
+    root: bytes
+    layout: KVLayout
+    block_size: int
+    codec: str
+    level: int
+    num_tokens: int
+    tokens_checksum: str
+    blocks: tuple[BlockInfo, ...]
+    logits_checksum: str | None
+    messages: tuple[dict[str, str], ...] | None
+    created_at: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_tokens * self.layout.bytes_per_token
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(b.stored_bytes for b in self.blocks)
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        return [b.hash for b in self.blocks if b.hash is not None]
+
+
+def encode_block(
+    raw: bytes | memoryview,
+    num_tokens: int,
+    hash_: bytes | None,
+    itemsize: int,
+    codec: str = codecs.DEFAULT_CODEC,
+    level: int = codecs.DEFAULT_LEVEL,
+) -> EncodedBlock:
+    stored = codecs.encode(raw, itemsize, codec, level)
+    return EncodedBlock(num_tokens, hash_, len(raw), stored, checksum(stored))
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def write_snapshot(
+    path: str | os.PathLike[str],
+    *,
+    model: str,
+    fingerprint: str,
+    root: bytes,
+    layout: KVLayout,
+    block_size: int,
+    codec: str,
+    level: int,
+    tokens: Sequence[int],
+    blocks: Sequence[EncodedBlock],
+    last_logits: np.ndarray | None = None,
+    messages: Sequence[dict[str, str]] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> int:
+    """Write a snapshot atomically; returns the file size.
+
+    The file is written to a temporary name in the same folder, flushed, fsynced and renamed
+    over ``path``, then the folder is fsynced: a crash leaves either the old file or the new
+    one, never half of one.
+    """
+    if sum(b.num_tokens for b in blocks) != len(tokens):
+        raise ValueError("blocks do not cover the tokens")
+    token_data = hashing.token_bytes(tokens)
+    logits_data = None
+    if last_logits is not None:
+        logits_data = np.ascontiguousarray(last_logits, dtype="<f4").reshape(-1).tobytes()
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "hash_scheme": hashing.HASH_SCHEME,
+        "model": model,
+        "fingerprint": fingerprint,
+        "root": root.hex(),
+        "layout": {
+            "layers": layout.num_layers,
+            "kv_heads": layout.num_kv_heads,
+            "head_dim": layout.head_dim,
+            "dtype": layout.dtype,
+            "order": "layers,kv,kv_heads,tokens,head_dim",
+        },
+        "block_size": block_size,
+        "codec": codec,
+        "level": level,
+        "num_tokens": len(tokens),
+        "tokens_checksum": checksum(token_data),
+        "blocks": [
+            {
+                "tokens": b.num_tokens,
+                "hash": b.hash.hex() if b.hash is not None else None,
+                "raw_bytes": b.raw_bytes,
+                "stored_bytes": len(b.stored),
+                "checksum": b.checksum,
+            }
+            for b in blocks
+        ],
+        "logits_checksum": checksum(logits_data) if logits_data is not None else None,
+        "messages": list(messages) if messages is not None else None,
+        "created_at": time.time(),
+        "extra": extra or {},
+    }
+    meta_json = json.dumps(meta, separators=(",", ":"), ensure_ascii=False)
+    header: dict[str, Any] = {"__metadata__": {"kvsnap": meta_json, "kvsnap_checksum": checksum(meta_json.encode())}}
+    payloads: list[bytes | memoryview] = []
+    offset = 0
+
+    def add(name: str, dtype: str, shape: list[int], data: bytes | memoryview) -> None:
+        nonlocal offset
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(data)]}
+        payloads.append(data)
+        offset += len(data)
+
+    add("tokens", "I32", [len(tokens)], token_data)
+    for i, b in enumerate(blocks):
+        add(block_name(i), "U8", [len(b.stored)], b.stored)
+    if logits_data is not None:
+        add("last_logits", "F32", [len(logits_data) // 4], logits_data)
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)  # safetensors aligns the data to 8 bytes
+    return _atomic_write(Path(path), [struct.pack("<Q", len(header_bytes)), header_bytes, *payloads])
+
+
+def _atomic_write(path: Path, parts: list[bytes | memoryview]) -> int:
+    folder = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for part in parts:
+                f.write(part)
+            f.flush()
+            os.fsync(f.fileno())
+            size = f.tell()
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    try:
+        dir_fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return size
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return size
+
+
+def block_name(index: int) -> str:
+    return f"block.{index:06d}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+class Snapshot:
+    """An open ``.kv`` file. Metadata and tokens are read and checked on open; blocks on demand.
+
+    Use as a context manager, or call ``close()``.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        try:
+            self.file_bytes = self.path.stat().st_size
+        except FileNotFoundError:
+            raise SnapshotError(f"{self.path}: no such file") from None
+        except OSError as exc:
+            raise SnapshotError(f"{self.path}: cannot read ({exc.strerror})") from None
+        if self.file_bytes < 8:
+            raise SnapshotError(f"{self.path}: not a kvsnap snapshot (file is {self.file_bytes} bytes, truncated?)")
+        try:
+            self._file = safe_open(str(self.path), framework="numpy")
+        except Exception as exc:  # safetensors raises its own error types for every header problem
+            raise SnapshotError(f"{self.path}: not a valid safetensors file ({_one_line(exc)}); truncated?") from None
+        try:
+            self.meta = _parse_meta(self._file.metadata())
+            self._check_tensors()
+            self.tokens = self._read_tokens()
+        except SnapshotError as exc:
+            self.close()
+            raise SnapshotError(f"{self.path}: {exc}") from None
+        except Exception as exc:
+            self.close()
+            raise SnapshotError(f"{self.path}: damaged file ({_one_line(exc)})") from None
+
+    def __enter__(self) -> Snapshot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._file = None
+
+    def _check_tensors(self) -> None:
+        f = self._file
+        expected = {"tokens": ("I32", [self.meta.num_tokens])}
+        for b in self.meta.blocks:
+            expected[block_name(b.index)] = ("U8", [b.stored_bytes])
+        if self.meta.logits_checksum is not None:
+            expected["last_logits"] = ("F32", None)
+        names = set(f.keys())
+        if names != set(expected):
+            missing = sorted(set(expected) - names)
+            extra = sorted(names - set(expected))
+            raise SnapshotError(f"tensors do not match the metadata (missing {missing[:3]}, unexpected {extra[:3]})")
+        for name, (dtype, shape) in expected.items():
+            sl = f.get_slice(name)
+            if sl.get_dtype() != dtype or (shape is not None and list(sl.get_shape()) != shape):
+                raise SnapshotError(f"tensor {name} has dtype {sl.get_dtype()} shape {sl.get_shape()}, expected {dtype} {shape}")
+
+    def _read_tokens(self) -> list[int]:
+        data = self._file.get_tensor("tokens")
+        raw = np.ascontiguousarray(data, dtype="<i4").tobytes()
+        if checksum(raw) != self.meta.tokens_checksum:
+            raise SnapshotError("token ids fail their checksum")
+        tokens = hashing.tokens_from_bytes(raw)
+        # The stored hashes must be the chain of the stored tokens: a header edit cannot pass.
+        expect = hashing.chain_hashes(tokens, self.meta.block_size, self.meta.root)
+        if expect != self.meta.block_hashes:
+            raise SnapshotError("block hashes do not match the token ids")
+        return tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self.meta.num_tokens
+
+    def read_stored(self, index: int) -> bytes:
+        """The stored (encoded) bytes of block ``index``, checksum verified."""
+        if self._file is None:
+            raise SnapshotError(f"{self.path}: snapshot is closed")
+        info = self.meta.blocks[index]
+        try:
+            data = self._file.get_tensor(block_name(index))
+        except Exception as exc:
+            raise SnapshotError(f"{self.path}: cannot read block {index} ({_one_line(exc)})") from None
+        stored = data.tobytes()
+        if len(stored) != info.stored_bytes or checksum(stored) != info.checksum:
+            raise SnapshotError(f"{self.path}: checksum mismatch in block {index}")
+        return stored
+
+    def decode_block(self, index: int, stored: bytes) -> bytes | bytearray:
+        info = self.meta.blocks[index]
+        try:
+            return codecs.decode(stored, info.raw_bytes, self.meta.layout.itemsize, self.meta.codec)
+        except codecs.CodecError as exc:
+            raise SnapshotError(f"{self.path}: block {index} does not decode ({exc})") from None
+
+    def encoded_block(self, index: int, stored: bytes) -> EncodedBlock:
+        info = self.meta.blocks[index]
+        return EncodedBlock(info.num_tokens, info.hash, info.raw_bytes, stored, info.checksum)
+
+    def read_blocks(
+        self, indices: Sequence[int], *, workers: int = _DECODE_WORKERS, keep_stored: bool = False
+    ) -> list[bytes | bytearray] | tuple[list[bytes | bytearray], list[bytes]]:
+        """Raw bytes of the given blocks, in order; only these blocks' bytes are read.
+
+        Blocks are checksum-verified and decoded in parallel threads (zstd releases the GIL).
+        With ``keep_stored`` also returns the stored bytes (a session keeps them for its next save).
+        """
+        stored = [self.read_stored(i) for i in indices]
+        if workers > 1 and len(indices) > 1:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                raw = list(pool.map(self.decode_block, indices, stored))
+        else:
+            raw = [self.decode_block(i, s) for i, s in zip(indices, stored)]
+        return (raw, stored) if keep_stored else raw
+
+    def last_logits(self) -> np.ndarray | None:
+        if self.meta.logits_checksum is None:
+            return None
+        data = np.ascontiguousarray(self._file.get_tensor("last_logits"), dtype="<f4")
+        if checksum(data.tobytes()) != self.meta.logits_checksum:
+            raise SnapshotError(f"{self.path}: last-position logits fail their checksum")
+        return data
+
+    def verify(self) -> list[str]:
+        """Check every block's checksum and decoding; returns the problems found (empty when sound)."""
+        problems = []
+        for b in self.meta.blocks:
+            try:
+                self.decode_block(b.index, self.read_stored(b.index))
+            except SnapshotError as exc:
+                problems.append(str(exc))
+        try:
+            self.last_logits()
+        except SnapshotError as exc:
+            problems.append(str(exc))
+        return problems
+
+    def check_compatible(self, *, model: str, fingerprint: str, root: bytes, layout: KVLayout) -> None:
+        """Refuse a snapshot written for another model, dtype, block size or namespace."""
+        m = self.meta
+        if m.layout != layout:
+            raise ForeignSnapshotError(
+                f"{self.path}: written for a cache of {_layout_str(m.layout)}, this model has {_layout_str(layout)}"
+            )
+        if m.fingerprint != fingerprint:
+            raise ForeignSnapshotError(
+                f"{self.path}: written for another model ({m.model}, fingerprint {m.fingerprint[:12]}); "
+                f"this is {model} ({fingerprint[:12]})"
+            )
+        if m.root != root:
+            raise ForeignSnapshotError(f"{self.path}: written with another namespace or block size ({m.block_size})")
+
+
+def _layout_str(layout: KVLayout) -> str:
+    return f"{layout.num_layers} layers x {layout.num_kv_heads} kv heads x {layout.head_dim} ({layout.dtype})"
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:200]
+
+
+def _parse_meta(header_meta: dict[str, str] | None) -> SnapshotMeta:
+    if not header_meta or "kvsnap" not in header_meta:
+        raise SnapshotError("not a kvsnap snapshot (safetensors file without kvsnap metadata)")
+    text = header_meta["kvsnap"]
+    if checksum(text.encode("utf-8", "surrogatepass")) != header_meta.get("kvsnap_checksum"):
+        raise SnapshotError("metadata fails its checksum")
+    try:
+        raw = json.loads(text)
+    except (ValueError, RecursionError):
+        raise SnapshotError("metadata is not valid JSON") from None
+    if not isinstance(raw, dict):
+        raise SnapshotError("metadata is not a JSON object")
+    version = raw.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise SnapshotError("metadata has no format_version")
+    if version not in READABLE_VERSIONS:
+        newer = "newer than" if version > FORMAT_VERSION else "not one"
+        raise SnapshotVersionError(
+            f"format version {version} is {newer} this kvsnap supports (reads {', '.join(map(str, READABLE_VERSIONS))})"
+        )
+    try:
+        return _meta_from_dict(raw)
+    except SnapshotError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SnapshotError(f"metadata is malformed ({type(exc).__name__}: {_one_line(exc)})") from None
+
+
+def _int(value: Any, name: str, lo: int, hi: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise SnapshotError(f"metadata field {name} is {value!r}, expected an integer in [{lo}, {hi}]")
+    return value
+
+
+def _str(value: Any, name: str) -> str:
+    if not isinstance(value, str) or len(value) > 4096:
+        raise SnapshotError(f"metadata field {name} is not a string")
+    return value
+
+
+def _meta_from_dict(raw: dict[str, Any]) -> SnapshotMeta:
+    if raw.get("hash_scheme") != hashing.HASH_SCHEME:
+        raise SnapshotError(f"unknown hash scheme {raw.get('hash_scheme')!r}")
+    lay = raw["layout"]
+    dtype = lay["dtype"]
+    if dtype not in KV_DTYPES:
+        raise SnapshotError(f"unknown KV dtype {dtype!r}")
+    layout = KVLayout(
+        _int(lay["layers"], "layers", 1, _MAX_LAYOUT_DIM),
+        _int(lay["kv_heads"], "kv_heads", 1, _MAX_LAYOUT_DIM),
+        _int(lay["head_dim"], "head_dim", 1, _MAX_LAYOUT_DIM),
+        dtype,
+    )
+    block_size = _int(raw["block_size"], "block_size", 1, 1 << 20)
+    codec = raw["codec"]
+    if codec not in codecs.CODECS:
+        raise SnapshotError(f"unknown codec {codec!r} (this kvsnap knows {', '.join(codecs.CODECS)})")
+    num_tokens = _int(raw["num_tokens"], "num_tokens", 0, _MAX_TOKENS)
+    blocks_raw = raw["blocks"]
+    if not isinstance(blocks_raw, list) or len(blocks_raw) != -(-num_tokens // block_size):
+        raise SnapshotError("block list does not match the token count")
+    blocks = []
+    for i, b in enumerate(blocks_raw):
+        full = i < num_tokens // block_size
+        n = _int(b["tokens"], f"blocks[{i}].tokens", 1, block_size)
+        if n != (block_size if full else num_tokens - i * block_size):
+            raise SnapshotError(f"block {i} declares {n} tokens, inconsistent with the block size")
+        raw_bytes = _int(b["raw_bytes"], f"blocks[{i}].raw_bytes", 0, 1 << 40)
+        if raw_bytes != n * layout.bytes_per_token:
+            raise SnapshotError(f"block {i} declares {raw_bytes} raw bytes, expected {n * layout.bytes_per_token}")
+        # No codec output may exceed its input by more than a small header: bounds decompression input too.
+        stored = _int(b["stored_bytes"], f"blocks[{i}].stored_bytes", 0, raw_bytes + 4096)
+        h = b["hash"]
+        if full != (h is not None):
+            raise SnapshotError(f"block {i} hash presence is inconsistent with its size")
+        hash_ = bytes.fromhex(_str(h, "hash")) if h is not None else None
+        if hash_ is not None and len(hash_) != hashing.DIGEST_SIZE:
+            raise SnapshotError(f"block {i} hash has the wrong length")
+        blocks.append(BlockInfo(i, n, hash_, raw_bytes, stored, _str(b["checksum"], "checksum")))
+    messages = raw.get("messages")
+    if messages is not None:
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise SnapshotError("chat messages are malformed")
+        messages = tuple({"role": m["role"], "content": m["content"]} for m in messages)
+    root = bytes.fromhex(_str(raw["root"], "root"))
+    logits_checksum = raw.get("logits_checksum")
+    if logits_checksum is not None:
+        logits_checksum = _str(logits_checksum, "logits_checksum")
+    created = raw.get("created_at", 0.0)
+    extra = raw.get("extra") or {}
+    if not isinstance(extra, dict):
+        raise SnapshotError("metadata field extra is not an object")
+    return SnapshotMeta(
+        format_version=raw["format_version"],
+        model=_str(raw["model"], "model"),
+        fingerprint=_str(raw["fingerprint"], "fingerprint"),
+        root=root,
+        layout=layout,
+        block_size=block_size,
+        codec=codec,
+        level=_int(raw["level"], "level", -(1 << 17), 22),
+        num_tokens=num_tokens,
+        tokens_checksum=_str(raw["tokens_checksum"], "tokens_checksum"),
+        blocks=tuple(blocks),
+        logits_checksum=logits_checksum,
+        messages=messages,
+        created_at=float(created) if isinstance(created, (int, float)) else 0.0,
+        extra=extra,
+    )
