@@ -52,7 +52,8 @@ def _zstd_decode(data: bytes | memoryview, size: int) -> bytes:
     if declared != size:
         raise CodecError(f"zstd frame declares {declared} bytes, expected {size}")
     try:
-        out = _decompressor().decompress(data, max_output_size=size)
+        # Bytes after the frame are damage too, not something to skip.
+        out = _decompressor().decompress(data, max_output_size=size, allow_extra_data=False)
     except zstd.ZstdError as exc:
         raise CodecError(f"zstd: {exc}") from None
     if len(out) != size:

@@ -17,6 +17,7 @@ block's checksum, and decodes them in parallel threads. Every way the file can b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -229,10 +230,8 @@ def _atomic_write(path: Path, parts: list[bytes | memoryview]) -> int:
             size = f.tell()
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
     try:
         dir_fd = os.open(folder, os.O_RDONLY)
@@ -279,7 +278,8 @@ class Snapshot:
             self.tokens = self._read_tokens()
         except SnapshotError as exc:
             self.close()
-            raise SnapshotError(f"{self.path}: {exc}") from None
+            # Keep the subclass (SnapshotVersionError, ...): callers tell the cases apart by type.
+            raise type(exc)(f"{self.path}: {exc}") from None
         except Exception as exc:
             self.close()
             raise SnapshotError(f"{self.path}: damaged file ({_one_line(exc)})") from None
@@ -308,7 +308,9 @@ class Snapshot:
         for name, (dtype, shape) in expected.items():
             sl = f.get_slice(name)
             if sl.get_dtype() != dtype or (shape is not None and list(sl.get_shape()) != shape):
-                raise SnapshotError(f"tensor {name} has dtype {sl.get_dtype()} shape {sl.get_shape()}, expected {dtype} {shape}")
+                raise SnapshotError(
+                    f"tensor {name} has dtype {sl.get_dtype()} shape {sl.get_shape()}, expected {dtype} {shape}"
+                )
 
     def _read_tokens(self) -> list[int]:
         data = self._file.get_tensor("tokens")
@@ -370,7 +372,12 @@ class Snapshot:
     def last_logits(self) -> np.ndarray | None:
         if self.meta.logits_checksum is None:
             return None
-        data = np.ascontiguousarray(self._file.get_tensor("last_logits"), dtype="<f4")
+        if self._file is None:
+            raise SnapshotError(f"{self.path}: snapshot is closed")
+        try:
+            data = np.ascontiguousarray(self._file.get_tensor("last_logits"), dtype="<f4")
+        except Exception as exc:
+            raise SnapshotError(f"{self.path}: cannot read last-position logits ({_one_line(exc)})") from None
         if checksum(data.tobytes()) != self.meta.logits_checksum:
             raise SnapshotError(f"{self.path}: last-position logits fail their checksum")
         return data

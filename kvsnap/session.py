@@ -1,0 +1,373 @@
+"""A session: token ids + their KV cache + snapshots. The resume path in one place::
+
+    restore (match the prompt against a .kv file, load only the matched blocks)
+      -> prefill (only the unmatched suffix, in chunks)
+      -> generate (decode, streaming)
+      -> save (only blocks not already encoded)
+
+``Session.run`` is that whole path for one prompt; ``Session.chat`` wraps a user message in the
+model's chat template first. The engine matches token ids only: where a template re-renders an
+earlier turn differently, only the tokens that compare equal are reused.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvsnap import cache as kvcache
+from kvsnap import codec as codecs
+from kvsnap import hashing, prefix
+from kvsnap.errors import ConfigError
+from kvsnap.models import LoadedModel
+from kvsnap.runner import Generation, Runner, SamplingParams, generate
+from kvsnap.snapshot import EncodedBlock, Snapshot, encode_block, write_snapshot
+
+DEFAULT_BLOCK_SIZE = 64
+DEFAULT_CHUNK_SIZE = 512
+_ENCODE_WORKERS = 4
+
+ProgressFn = Callable[[int, int], None]
+TextFn = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreStats:
+    path: str
+    snapshot_tokens: int
+    hit_tokens: int
+    blocks_read: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class TurnResult:
+    """One request: the reuse ledger, the generated text and where the time went."""
+
+    prompt_tokens: int
+    hit_tokens: int
+    prefill_tokens: int  # tokens the model's forward really saw for this prompt
+    reuse_ratio: float
+    chunks: int
+    logits_source: str  # "prefill" | "snapshot" | "backoff"
+    text: str
+    new_tokens: int
+    stop_reason: str
+    ttft_s: float | None
+    restore_s: float
+    prefill_s: float
+    decode_s: float
+    total_s: float
+    restored_from: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class SaveStats:
+    path: str
+    tokens: int
+    blocks: int
+    blocks_encoded: int  # compressed in this save
+    blocks_reused: int  # already compressed earlier in the session
+    flushed_tokens: int  # sampled tokens run through the model so the file covers them
+    kv_bytes: int
+    file_bytes: int
+    seconds: float
+
+
+class Session:
+    """Tokens whose KV is held in ``cache`` (plus at most the sampled tokens not yet run), chat messages.
+
+    Invariants: ``cache`` holds exactly ``len(tokens)`` positions; ``last_logits`` are the logits
+    after ``tokens[-1]`` (or None); ``pending`` were sampled but not run through the model.
+    """
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        namespace: str = "",
+        codec: str = codecs.DEFAULT_CODEC,
+        level: int = codecs.DEFAULT_LEVEL,
+    ):
+        if block_size < 1:
+            raise ConfigError("block_size must be >= 1")
+        if chunk_size < 1:
+            raise ConfigError("chunk_size must be >= 1")
+        if codec not in codecs.CODECS:
+            raise ConfigError(f"unknown codec {codec!r} (known: {', '.join(codecs.CODECS)})")
+        self.lm = lm
+        self.runner = Runner(lm)
+        self.block_size = block_size
+        self.chunk_size = chunk_size
+        self.namespace = namespace
+        self.codec = codec
+        self.level = level
+        self.reset()
+
+    # -- state ------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget everything: tokens, cache, messages."""
+        self.tokens: list[int] = []
+        self.pending: list[int] = []
+        self.cache = kvcache.new_cache(self.lm.config)
+        self.last_logits: torch.Tensor | None = None
+        self.messages: list[dict[str, str]] | None = None
+        self._encoded: dict[bytes, EncodedBlock] = {}
+
+    def root(self, block_size: int | None = None) -> bytes:
+        return hashing.chain_root(self.lm.fingerprint, self.namespace, block_size or self.block_size)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) + len(self.pending)
+
+    @property
+    def all_tokens(self) -> list[int]:
+        return self.tokens + self.pending
+
+    def _truncate(self, length: int) -> None:
+        if length >= len(self.tokens):
+            return
+        kvcache.crop(self.cache, length)
+        self.tokens = self.tokens[:length]
+        self.last_logits = None
+        # Blocks past the cut will be recomputed; their encodings must not stand in for the new KV.
+        keep = set(hashing.chain_hashes(self.tokens, self.block_size, self.root()))
+        self._encoded = {h: b for h, b in self._encoded.items() if h in keep}
+
+    # -- restore -----------------------------------------------------------------------------
+
+    def restore(self, path: str | Path, prompt_ids: Sequence[int] | None = None) -> RestoreStats:
+        """Replace the session's state with a snapshot's prefix; the model does not run.
+
+        With ``prompt_ids`` only the longest prefix the prompt shares with the snapshot is read
+        (lazily, block by block); without, the whole snapshot and its chat messages. On any error
+        the session is left exactly as it was.
+        """
+        t0 = time.perf_counter()
+        with Snapshot(path) as snap:
+            meta = snap.meta
+            root = self.root(meta.block_size)
+            snap.check_compatible(model=self.lm.name, fingerprint=self.lm.fingerprint, root=root, layout=self.lm.layout)
+            if prompt_ids is None:
+                hit = meta.num_tokens
+            else:
+                hit = prefix.match_prefix(prompt_ids, snap.tokens, meta.block_hashes, meta.block_size, root).hit_tokens
+            num_blocks = -(-hit // meta.block_size)
+            raw, stored = snap.read_blocks(range(num_blocks), keep_stored=True)
+            whole = hit == meta.num_tokens
+            logits = snap.last_logits() if whole else None
+            cache = kvcache.restore_cache(
+                self.lm.config,
+                self.lm.layout,
+                raw,
+                [b.num_tokens for b in meta.blocks[:num_blocks]],
+                hit,
+                self.lm.device,
+            )
+            encoded = {}
+            if meta.block_size == self.block_size and meta.codec == self.codec:
+                for i in range(hit // meta.block_size):
+                    block = snap.encoded_block(i, stored[i])
+                    encoded[block.hash] = block
+            tokens = snap.tokens[:hit]
+            messages = list(meta.messages) if (whole and meta.messages is not None) else None
+        # Commit only now that everything was read and checked.
+        self.cache = cache
+        self.tokens = tokens
+        self.pending = []
+        self.last_logits = torch.from_numpy(logits).to(self.lm.device) if logits is not None else None
+        self._encoded = encoded
+        if prompt_ids is None or messages is not None:
+            self.messages = messages
+        return RestoreStats(str(path), meta.num_tokens, hit, num_blocks, time.perf_counter() - t0)
+
+    # -- prefill and decode -------------------------------------------------------------------
+
+    def prefill(
+        self, prompt_ids: Sequence[int], on_progress: ProgressFn | None = None
+    ) -> tuple[prefix.PrefillPlan, int]:
+        """Make the cache hold ``prompt_ids``: reuse the common prefix, run only the rest, in chunks.
+
+        Returns the plan and the number of tokens the model's forward really saw.
+        """
+        prompt = list(prompt_ids)
+        if not prompt:
+            raise ConfigError("the prompt is empty")
+        hit = prefix.common_prefix_len(self.tokens, prompt)
+        logits_at_hit = hit == len(self.tokens) and self.last_logits is not None
+        plan = prefix.plan_prefill(len(prompt), hit, self.chunk_size, logits_at_hit=logits_at_hit)
+        self._truncate(plan.hit_tokens)
+        self.pending = []
+        seen0 = self.runner.tokens_seen
+        try:
+            logits = self.runner.prefill(self.cache, prompt, plan.chunks, on_progress)
+        except BaseException:
+            kvcache.crop(self.cache, len(self.tokens))  # a half-run chunk must not stay in the cache
+            raise
+        self.tokens = prompt
+        if logits is not None:
+            self.last_logits = logits
+        return plan, self.runner.tokens_seen - seen0
+
+    def flush(self) -> int:
+        """Run sampled-but-pending tokens through the model, so the cache covers every token."""
+        if not self.pending:
+            return 0
+        n = len(self.pending)
+        self.last_logits = self.runner.forward(self.cache, self.pending, len(self.tokens))
+        self.tokens += self.pending
+        self.pending = []
+        return n
+
+    def generate(self, params: SamplingParams, on_text: TextFn | None = None) -> Generation:
+        """Decode after the current tokens. The last sampled token stays pending until needed."""
+        self.flush()
+        if self.last_logits is None:
+            raise ConfigError("nothing to continue from: prefill a prompt first")
+        gen = generate(self.runner, self.cache, self.last_logits, len(self.tokens), params, on_text)
+        self.tokens += list(gen.token_ids[: gen.forwarded])
+        self.pending = list(gen.token_ids[gen.forwarded :])
+        self.last_logits = gen.last_logits
+        return gen
+
+    def run(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        resume: str | Path | None = None,
+        on_text: TextFn | None = None,
+        on_progress: ProgressFn | None = None,
+    ) -> TurnResult:
+        """The whole path for one prompt: restore -> prefill the suffix -> decode."""
+        t0 = time.perf_counter()
+        restored = self.restore(resume, prompt_ids) if resume is not None else None
+        t1 = time.perf_counter()
+        plan, seen = self.prefill(prompt_ids, on_progress)
+        t2 = time.perf_counter()
+        gen = self.generate(params, on_text) if params.max_new_tokens > 0 else None
+        t3 = time.perf_counter()
+        ledger = prefix.Ledger.of(plan, seen)
+        first = gen.first_token_at if gen is not None else None
+        return TurnResult(
+            prompt_tokens=ledger.prompt_tokens,
+            hit_tokens=ledger.hit_tokens,
+            prefill_tokens=ledger.prefill_tokens,
+            reuse_ratio=ledger.reuse_ratio,
+            chunks=ledger.chunks,
+            logits_source=plan.logits_source,
+            text=gen.text if gen is not None else "",
+            new_tokens=len(gen.token_ids) if gen is not None else 0,
+            stop_reason=gen.stop_reason if gen is not None else "none",
+            ttft_s=round(first - t0, 6) if first is not None else None,
+            restore_s=round(t1 - t0, 6),
+            prefill_s=round(t2 - t1, 6),
+            decode_s=round(t3 - t2, 6),
+            total_s=round(t3 - t0, 6),
+            restored_from=str(resume) if restored is not None else None,
+        )
+
+    # -- chat --------------------------------------------------------------------------------
+
+    def render_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``messages`` in the model's chat template."""
+        tok = self.lm.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ConfigError(f"model {self.lm.name} has no chat template; give a raw prompt instead")
+        text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+
+    def chat(
+        self,
+        user_text: str,
+        params: SamplingParams,
+        *,
+        system: str | None = None,
+        on_text: TextFn | None = None,
+        on_progress: ProgressFn | None = None,
+    ) -> TurnResult:
+        """One chat turn: append the user message, render, reuse what matches, answer."""
+        messages = list(self.messages or [])
+        if not messages and system:
+            messages.append({"role": "system", "content": system})
+        messages.append({"role": "user", "content": user_text})
+        result = self.run(self.render_chat(messages), params, on_text=on_text, on_progress=on_progress)
+        messages.append({"role": "assistant", "content": result.text})
+        self.messages = messages
+        return result
+
+    # -- save --------------------------------------------------------------------------------
+
+    def save(self, path: str | Path) -> SaveStats:
+        """Write the session (every token, prompt and generated) to a ``.kv`` file, atomically.
+
+        Blocks compressed earlier in this session (or read from a snapshot) are written as they
+        are; only new blocks are encoded, in parallel threads.
+        """
+        t0 = time.perf_counter()
+        flushed = self.flush()
+        bs = self.block_size
+        n = len(self.tokens)
+        hashes = hashing.chain_hashes(self.tokens, bs, self.root())
+        blocks: list[EncodedBlock | None] = []
+        todo: list[tuple[int, int, int, bytes | None]] = []
+        for i in range(-(-n // bs)):
+            start, end = i * bs, min((i + 1) * bs, n)
+            h = hashes[i] if i < len(hashes) else None
+            cached = self._encoded.get(h) if h is not None else None
+            blocks.append(cached)
+            if cached is None:
+                todo.append((i, start, end, h))
+        itemsize = self.lm.layout.itemsize
+
+        def encode(job: tuple[int, int, int, bytes | None]) -> EncodedBlock:
+            _, start, end, h = job
+            return encode_block(
+                kvcache.block_raw(self.cache, start, end), end - start, h, itemsize, self.codec, self.level
+            )
+
+        with ThreadPoolExecutor(max_workers=_ENCODE_WORKERS) as pool:
+            for (i, *_), block in zip(todo, pool.map(encode, todo)):
+                blocks[i] = block
+        final = [b for b in blocks if b is not None]
+        assert len(final) == len(blocks)
+        logits = self.last_logits.float().cpu().numpy() if self.last_logits is not None else None
+        size = write_snapshot(
+            path,
+            model=self.lm.name,
+            fingerprint=self.lm.fingerprint,
+            root=self.root(),
+            layout=self.lm.layout,
+            block_size=bs,
+            codec=self.codec,
+            level=self.level,
+            tokens=self.tokens,
+            blocks=final,
+            last_logits=logits,
+            messages=self.messages,
+        )
+        self._encoded = {b.hash: b for b in final if b.hash is not None}
+        return SaveStats(
+            path=str(path),
+            tokens=n,
+            blocks=len(final),
+            blocks_encoded=len(todo),
+            blocks_reused=len(final) - len(todo),
+            flushed_tokens=flushed,
+            kv_bytes=n * self.lm.layout.bytes_per_token,
+            file_bytes=size,
+            seconds=time.perf_counter() - t0,
+        )
