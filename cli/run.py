@@ -1,0 +1,142 @@
+"""``kvsnap run``: scripted use, one prompt or a JSONL batch, with snapshot resume and save."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cli import options as o
+from cli import ui
+from cli.common import guarded
+
+
+@guarded
+def run(
+    prompt: Annotated[str | None, typer.Option(help="The prompt text (raw, no chat template unless --chat).")] = None,
+    prompt_file: Annotated[
+        Path | None, typer.Option(help="Read the prompt from a file; with --prompt, the file's text comes first.")
+    ] = None,
+    chat: Annotated[
+        bool, typer.Option("--chat", help="Wrap the prompt as a user message in the chat template.")
+    ] = False,
+    system: Annotated[str | None, typer.Option(help="System message (with --chat).")] = None,
+    batch: Annotated[
+        Path | None, typer.Option(help="JSONL jobs, one per line; '-' reads stdin. Results: one JSON line each.")
+    ] = None,
+    resume: o.Resume = None,
+    save: o.Save = None,
+    json_out: o.Json = False,
+    model: o.Model = "smollm2-135m",
+    max_new_tokens: o.MaxNewTokens = 256,
+    temperature: o.Temperature = 0.0,
+    top_p: o.TopP = 1.0,
+    top_k: o.TopK = 0,
+    seed: o.Seed = None,
+    stop: o.Stop = None,
+    chunk_size: o.ChunkSize = 512,
+    block_size: o.BlockSize = 64,
+    codec: o.Codec = "shuffle-zstd",
+    device: o.Device = "auto",
+    dtype: o.Dtype = "auto",
+) -> None:
+    """Run one prompt (or a batch), reusing a snapshot's matching prefix and saving the result.
+
+    Prime a document once, then ask many questions over it:
+
+      kvsnap run --prompt-file doc.txt --max-new-tokens 0 --save doc.kv
+
+      kvsnap run --prompt-file doc.txt --prompt "Q: who wrote it? A:" --resume doc.kv --json
+    """
+    from kvsnap.errors import ConfigError, KvsnapError
+    from kvsnap.jobs import Job, error_row, parse_jobs, run_job
+    from kvsnap.runner import SamplingParams
+    from kvsnap.session import Session
+
+    if batch is None and prompt is None and prompt_file is None:
+        raise ConfigError("give --prompt, --prompt-file or --batch (see kvsnap run --help)")
+    if batch is not None and (prompt is not None or prompt_file is not None):
+        raise ConfigError("--batch cannot be combined with --prompt or --prompt-file")
+    defaults = SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop=tuple(stop or ()),
+    )
+    if batch is not None:
+        lines = sys.stdin if str(batch) == "-" else _open_batch(batch)
+    lm = ui.load_model(model, device, dtype)
+    session = Session(lm, chunk_size=chunk_size, block_size=block_size, codec=codec)
+
+    if batch is None:
+        job = Job(
+            id=None,
+            prompt=prompt,
+            prompt_file=str(prompt_file) if prompt_file else None,
+            chat=chat,
+            system=system,
+            resume=str(resume) if resume else None,
+            save=str(save) if save else None,
+        )
+        stream = None if json_out else ui.emit
+        with ui.prefill_progress() as progress:
+            row = run_job(session, job, defaults, on_text=stream, on_progress=progress)
+        if json_out:
+            row.pop("id")
+            ui.print_json(row)
+        else:
+            if row["text"] and not row["text"].endswith("\n"):
+                ui.emit("\n")
+            ui.note(_stats_line(row))
+        return
+
+    failed = 0
+    for item in parse_jobs(lines):
+        if isinstance(item, tuple):
+            failed += 1
+            ui.print_json(error_row(*item))
+            continue
+        if item.resume is None and resume is not None:
+            item = _with(item, resume=str(resume))
+        try:
+            row = run_job(session, item, defaults)
+        except KvsnapError as exc:  # one bad job must not stop the batch
+            failed += 1
+            row = error_row(item.id, exc)
+        ui.print_json(row)
+    if failed:
+        ui.note(f"{failed} job{'s' if failed != 1 else ''} failed")
+        raise typer.Exit(1)
+
+
+def _open_batch(path: Path):
+    from kvsnap.errors import ConfigError
+
+    try:
+        return path.open(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read batch file ({exc.strerror})") from None
+
+
+def _with(job, **changes):
+    import dataclasses
+
+    return dataclasses.replace(job, **changes)
+
+
+def _stats_line(row: dict) -> str:
+    parts = [
+        f"{row['prompt_tokens']:,} prompt tokens",
+        f"{row['hit_tokens']:,} reused ({row['reuse_ratio']:.0%})",
+        f"{row['prefill_tokens']:,} prefilled in {row['chunks']} chunks",
+    ]
+    if row.get("ttft_s") is not None:
+        parts.append(f"ttft {row['ttft_s']:.3f} s")
+    parts.append(f"{row['new_tokens']} new tokens ({row['stop_reason']})")
+    if "saved" in row:
+        parts.append(f"saved {row['saved']['path']} ({ui.human_bytes(row['saved']['file_bytes'])})")
+    return "[" + ", ".join(parts) + "]"

@@ -1,0 +1,162 @@
+"""All terminal rendering (rich): status on stderr, model text on stdout."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+err = Console(stderr=True, highlight=False)
+# Below this many uncached tokens a prefill is too short for a progress bar to be worth drawing.
+PROGRESS_MIN_TOKENS = 1024
+
+
+def error(message: str) -> None:
+    err.print(f"[bold red]error:[/] {message}", markup=True, soft_wrap=True)
+
+
+def note(message: str) -> None:
+    err.print(f"[dim]{message}[/]", soft_wrap=True)
+
+
+def emit(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
+    sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def status(message: str) -> Iterator[Any]:
+    """A spinner with an updatable message; the callable it yields sets the message."""
+    if not err.is_terminal:
+        yield lambda msg: note(msg)
+        return
+    with err.status(message) as st:
+        yield lambda msg: st.update(msg)
+
+
+def load_model(spec: str, device: str, dtype: str):
+    from kvsnap.models import load_model
+
+    with status(f"loading {spec}") as update:
+        return load_model(spec, device=device, dtype=dtype, progress=update, install=True)
+
+
+@contextlib.contextmanager
+def prefill_progress(label: str = "prefill") -> Iterator[Any]:
+    """A progress bar for long prefills, drawn only once a prefill proves long enough."""
+    holder: dict[str, Any] = {}
+
+    def update(done: int, total: int) -> None:
+        if total < PROGRESS_MIN_TOKENS or not err.is_terminal:
+            return
+        if "bar" not in holder:
+            bar = Progress(
+                TextColumn(f"[dim]{label}[/]"),
+                BarColumn(),
+                TaskProgressColumn(),
+                TextColumn("{task.completed}/{task.total} tokens"),
+                TimeRemainingColumn(),
+                console=err,
+                transient=True,
+            )
+            bar.start()
+            holder["bar"] = bar
+            holder["task"] = bar.add_task(label, total=total)
+        holder["bar"].update(holder["task"], completed=done)
+
+    try:
+        yield update
+    finally:
+        if "bar" in holder:
+            holder["bar"].stop()
+
+
+def turn_stats(result: Any) -> str:
+    rate = ""
+    if result.new_tokens > 1 and result.decode_s > 0:
+        rate = f", {result.new_tokens / result.decode_s:.1f} tok/s"
+    ttft = f", ttft {result.ttft_s:.2f} s" if result.ttft_s is not None else ""
+    source = " (logits from snapshot)" if result.logits_source == "snapshot" else ""
+    return (
+        f"[{result.prompt_tokens:,} prompt tokens: {result.hit_tokens:,} reused, {result.prefill_tokens:,} prefilled "
+        f"in {result.chunks} chunk{'s' if result.chunks != 1 else ''}{source}{ttft}; {result.new_tokens} new{rate}]"
+    )
+
+
+def resume_line(stats: Any, recomputed: int = 0) -> str:
+    return f"resumed {stats.hit_tokens:,} tokens from {stats.path} in {stats.seconds:.2f} s ({recomputed:,} recomputed)"
+
+
+def save_line(stats: Any) -> str:
+    return (
+        f"saved {stats.tokens:,} tokens to {stats.path} ({human_bytes(stats.file_bytes)}, "
+        f"{stats.blocks_encoded} new block{'s' if stats.blocks_encoded != 1 else ''}, {stats.seconds:.2f} s)"
+    )
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1000 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{n} B"
+
+
+def print_inspect(info: dict[str, Any]) -> None:
+    out = Console(highlight=False)
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    lay = info["layout"]
+    ratio = f" ({info['ratio']:.2f}x raw)" if info.get("ratio") else ""
+    rows = [
+        ("file", info["path"]),
+        ("model", info["model"]),
+        ("fingerprint", info["fingerprint"]),
+        ("format", f"version {info['format_version']}"),
+        ("tokens", f"{info['tokens']:,}"),
+        ("blocks", f"{info['blocks']:,} x {info['block_size']} tokens"),
+        ("cache", f"{lay['layers']} layers x {lay['kv_heads']} kv heads x {lay['head_dim']} ({lay['dtype']})"),
+        ("codec", f"{info['codec']} level {info['level']}"),
+        ("raw KV", human_bytes(info["kv_bytes"])),
+        ("file", f"{human_bytes(info['file_bytes'])}{ratio}"),
+        ("last logits", "stored" if info["last_logits"] else "absent (a full hit recomputes one token)"),
+    ]
+    if info.get("chat_turns") is not None:
+        rows.append(("chat", f"{info['chat_turns']} messages"))
+    if "verified" in info:
+        rows.append(("integrity", "all blocks verified" if info["verified"] else "; ".join(info["problems"])))
+    for key, value in rows:
+        table.add_row(key, str(value))
+    out.print(table)
+    if "preview_start" in info:
+        out.print(f"[bold]start[/] {info['preview_start']!r}")
+        if info.get("preview_end"):
+            out.print(f"[bold]end[/]   {info['preview_end']!r}")
+    for m in info.get("messages") or []:
+        content = m["content"] if len(m["content"]) <= 100 else m["content"][:97] + "..."
+        out.print(f"  [dim]{m['role']}:[/] {content}")
+    if "prompt_tokens" in info:
+        sizes = info["chunk_sizes"]
+        shown = ", ".join(map(str, sizes[:8])) + (", ..." if len(sizes) > 8 else "")
+        out.print(
+            f"[bold]prompt[/] {info['prompt_tokens']:,} tokens: [green]{info['hit_tokens']:,} hit[/] "
+            f"({info['reuse_ratio']:.1%}, {info['blocks_to_read']} blocks to read), "
+            f"{info['prefill_tokens']:,} to prefill in {info['chunks']} chunks [{shown}]"
+            + (" (logits from snapshot)" if info["logits_source"] == "snapshot" else "")
+            + (" (backs off one token for logits)" if info["logits_source"] == "backoff" else "")
+        )

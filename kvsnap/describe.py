@@ -1,0 +1,122 @@
+"""What a snapshot holds and what a prompt would reuse from it, without loading the model.
+
+Used by ``kvsnap inspect``. Imports no torch: the tokenizer comes from the model folder's
+``tokenizer.json`` through the ``tokenizers`` library (the same backend transformers' fast
+tokenizers run), falling back to transformers only when a model has no such file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvsnap import models, prefix
+from kvsnap.snapshot import Snapshot
+
+
+class LightTokenizer:
+    """Encode/decode with a model's tokenizer, cheaply."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        path = folder / "tokenizer.json"
+        if path.is_file():
+            from tokenizers import Tokenizer
+
+            self._fast = Tokenizer.from_file(str(path))
+            self._hf = None
+        else:
+            self._fast = None
+            self._hf = models.load_tokenizer(folder)
+
+    def encode(self, text: str) -> list[int]:
+        if self._fast is not None:
+            return list(self._fast.encode(text).ids)
+        return list(self._hf(text)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        if self._fast is not None:
+            return self._fast.decode(ids, skip_special_tokens=False)
+        return self._hf.decode(ids, skip_special_tokens=False)
+
+
+def find_tokenizer(model: str) -> LightTokenizer | None:
+    """The tokenizer of a snapshot's model if it is on this machine (never converts or downloads)."""
+    if model == models.DEFAULT_MODEL:
+        folder = models.kvsnap_home() / "models" / models.DEFAULT_MODEL
+        if not models.is_ready(folder):
+            return None
+    else:
+        folder = Path(model).expanduser()
+        if not (folder / "config.json").is_file():
+            return None
+    try:
+        return LightTokenizer(folder)
+    except Exception:
+        return None
+
+
+def describe(
+    path: str | Path,
+    *,
+    prompt_ids: list[int] | None = None,
+    chunk_size: int = 512,
+    verify: bool = False,
+    tokenizer: LightTokenizer | None = None,
+    preview_tokens: int = 24,
+) -> dict[str, Any]:
+    """A JSON-able description of a snapshot; with ``prompt_ids``, the hit stats and chunk plan."""
+    with Snapshot(path) as snap:
+        meta = snap.meta
+        info: dict[str, Any] = {
+            "path": str(path),
+            "model": meta.model,
+            "fingerprint": meta.fingerprint,
+            "format_version": meta.format_version,
+            "tokens": meta.num_tokens,
+            "blocks": len(meta.blocks),
+            "block_size": meta.block_size,
+            "codec": meta.codec,
+            "level": meta.level,
+            "layout": {
+                "layers": meta.layout.num_layers,
+                "kv_heads": meta.layout.num_kv_heads,
+                "head_dim": meta.layout.head_dim,
+                "dtype": meta.layout.dtype,
+            },
+            "kv_bytes": meta.kv_bytes,
+            "stored_bytes": meta.stored_bytes,
+            "file_bytes": snap.file_bytes,
+            "ratio": round(snap.file_bytes / meta.kv_bytes, 4) if meta.kv_bytes else None,
+            "bytes_per_token": round(snap.file_bytes / meta.num_tokens, 1) if meta.num_tokens else None,
+            "last_logits": meta.logits_checksum is not None,
+            "chat_turns": len(meta.messages) if meta.messages is not None else None,
+            "created_at": meta.created_at,
+        }
+        if meta.messages is not None:
+            info["messages"] = [dict(m) for m in meta.messages]
+        if tokenizer is not None and meta.num_tokens:
+            head = snap.tokens[:preview_tokens]
+            tail = snap.tokens[-preview_tokens:] if meta.num_tokens > preview_tokens else []
+            info["preview_start"] = tokenizer.decode(head)
+            info["preview_end"] = tokenizer.decode(tail) if tail else ""
+        if verify:
+            problems = snap.verify()
+            info["verified"] = not problems
+            info["problems"] = problems
+        if prompt_ids is not None:
+            match = prefix.match_prefix(prompt_ids, snap.tokens, meta.block_hashes, meta.block_size, meta.root)
+            whole = match.hit_tokens == meta.num_tokens and meta.logits_checksum is not None
+            plan = prefix.plan_prefill(len(prompt_ids), match.hit_tokens, chunk_size, logits_at_hit=whole)
+            ledger = prefix.Ledger.of(plan)
+            info.update(
+                prompt_tokens=ledger.prompt_tokens,
+                hit_tokens=ledger.hit_tokens,
+                prefill_tokens=ledger.prefill_tokens,
+                reuse_ratio=ledger.reuse_ratio,
+                chunks=ledger.chunks,
+                chunk_sizes=plan.chunk_sizes,
+                blocks_to_read=match.num_blocks,
+                logits_source=plan.logits_source,
+            )
+    return info
