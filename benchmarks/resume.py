@@ -1,0 +1,146 @@
+"""Cold prefill vs resumed TTFT, save time and snapshot size, side by side in one run.
+
+For each prompt length: a snapshot holds the prompt minus a 32-token suffix; "resumed" restores
+it and prefills the suffix. Baselines in the same run: torch.save/torch.load of the transformers
+cache object (what one writes by hand), and the same KV written uncompressed with plain
+safetensors and read back (the read-speed limit for this data here).
+
+    .venv/bin/python benchmarks/resume.py                # 512 1024 2048 4096
+    .venv/bin/python benchmarks/resume.py --lengths 2048 --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from benchmarks.common import best_of, document, machine, table, write_json  # noqa: E402
+from kvsnap import cache as kvcache  # noqa: E402
+from kvsnap.models import load_model  # noqa: E402
+from kvsnap.runner import SamplingParams  # noqa: E402
+from kvsnap.session import Session  # noqa: E402
+from kvsnap.snapshot import Snapshot  # noqa: E402
+
+SUFFIX = 32
+ONE = SamplingParams(max_new_tokens=1, temperature=0)
+
+
+def kv_tensors(cache) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, layer in enumerate(cache.layers):
+        out[f"k{i}"] = layer.keys.contiguous()
+        out[f"v{i}"] = layer.values.contiguous()
+    return out
+
+
+def measure(lm, n: int, repeats: int, folder: Path) -> dict:
+    ids = document(lm.tokenizer, n)
+    prefix_ids = ids[: n - SUFFIX]
+    snap = folder / f"doc{n}.kv"
+
+    def cold():
+        return Session(lm).run(ids, ONE)
+
+    cold_s, cold_result = best_of(repeats, cold)
+
+    primer = Session(lm)
+    primer.prefill(prefix_ids)
+    save_s, saved = best_of(repeats, lambda: Session.save(_fresh_copy(primer), snap))
+
+    def resumed():
+        return Session(lm).run(ids, ONE, resume=snap)
+
+    resumed_s, result = best_of(repeats, resumed)
+    assert result.hit_tokens == n - SUFFIX and result.prefill_tokens == SUFFIX, result
+
+    def restore_only():
+        s = Session(lm)
+        return s.restore(snap, prefix_ids)
+
+    restore_s, _ = best_of(repeats, restore_only)
+
+    # Baseline (a): torch.save of the cache object.
+    pt = folder / f"doc{n}.pt"
+    torch_save_s, _ = best_of(repeats, lambda: torch.save(primer.cache, pt))
+    torch_load_s, _ = best_of(repeats, lambda: torch.load(pt, weights_only=False))
+    # Baseline (b): the same KV uncompressed in plain safetensors, read back.
+    st = folder / f"doc{n}.safetensors"
+    tensors = kv_tensors(primer.cache)
+    st_save_s, _ = best_of(repeats, lambda: save_file(tensors, str(st)))
+    st_load_s, _ = best_of(repeats, lambda: load_file(str(st)))
+
+    with Snapshot(snap) as s:
+        kv_bytes = s.meta.kv_bytes
+    file_bytes = snap.stat().st_size
+    return {
+        "tokens": n,
+        "cold_ttft_s": cold_result.ttft_s,
+        "cold_s": cold_s,
+        "resumed_ttft_s": result.ttft_s,
+        "speedup": cold_result.ttft_s / result.ttft_s,
+        "restore_s": restore_s,
+        "save_s": save_s,
+        "kv_bytes": kv_bytes,
+        "file_bytes": file_bytes,
+        "ratio": file_bytes / kv_bytes,
+        "bytes_per_token": file_bytes / (n - SUFFIX),
+        "read_mb_s": kv_bytes / restore_s / 1e6,
+        "torch_save_s": torch_save_s,
+        "torch_load_s": torch_load_s,
+        "torch_file_bytes": pt.stat().st_size,
+        "st_save_s": st_save_s,
+        "st_load_s": st_load_s,
+        "restore_vs_st_load": restore_s / st_load_s,
+    }
+
+
+def _fresh_copy(session: Session) -> Session:
+    """The primed session without its cached encodings, so every save is a full first save."""
+    session._encoded = {}
+    return session
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    args = parser.parse_args()
+    lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    Session(lm).run(document(lm.tokenizer, 64), ONE)  # warm up kernels and allocator
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in args.lengths:
+            t0 = time.perf_counter()
+            rows.append(measure(lm, n, args.repeats, Path(tmp)))
+            print(f"  {n} tokens measured in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    cols = [
+        ("tokens", "tokens", "d"),
+        ("cold_ttft_s", "cold TTFT s", ".3f"),
+        ("resumed_ttft_s", "resumed TTFT s", ".3f"),
+        ("speedup", "speedup", ".1f"),
+        ("restore_s", "restore s", ".3f"),
+        ("st_load_s", "safetensors read s", ".3f"),
+        ("torch_load_s", "torch.load s", ".3f"),
+        ("save_s", "save s", ".3f"),
+        ("ratio", "file/raw", ".3f"),
+        ("bytes_per_token", "bytes/token", ",.0f"),
+    ]
+    print(f"model {args.model}, {lm.device}, {lm.layout.dtype}, suffix {SUFFIX} tokens, best of {args.repeats}")
+    print(table(rows, cols))
+    path = write_json("resume", {"machine": machine(), "model": args.model, "dtype": lm.layout.dtype, "rows": rows})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
