@@ -197,7 +197,8 @@ def write_snapshot(
         "created_at": time.time(),
         "extra": extra or {},
     }
-    meta_json = json.dumps(meta, separators=(",", ":"), ensure_ascii=False)
+    # ASCII JSON: chat text with lone surrogates (from odd terminals) still makes a valid file.
+    meta_json = json.dumps(meta, separators=(",", ":"), ensure_ascii=True)
     header: dict[str, Any] = {"__metadata__": {"kvsnap": meta_json, "kvsnap_checksum": checksum(meta_json.encode())}}
     payloads: list[bytes | memoryview] = []
     offset = 0
@@ -264,8 +265,8 @@ class Snapshot:
             self.file_bytes = self.path.stat().st_size
         except FileNotFoundError:
             raise SnapshotError(f"{self.path}: no such file") from None
-        except OSError as exc:
-            raise SnapshotError(f"{self.path}: cannot read ({exc.strerror})") from None
+        except (OSError, ValueError) as exc:
+            raise SnapshotError(f"{self.path}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
         if self.file_bytes < 8:
             raise SnapshotError(f"{self.path}: not a kvsnap snapshot (file is {self.file_bytes} bytes, truncated?)")
         try:

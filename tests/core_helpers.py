@@ -8,19 +8,15 @@ from __future__ import annotations
 
 import json
 import struct
-import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-_ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:  # the suite runs from a plain checkout, kvsnap need not be installed
-    sys.path.insert(0, _ROOT)
-
-from kvsnap import hashing  # noqa: E402
-from kvsnap.snapshot import KVLayout, Snapshot, checksum, encode_block, write_snapshot  # noqa: E402
+from kvsnap import hashing
+from kvsnap.snapshot import EncodedBlock, KVLayout, Snapshot, checksum, encode_block, write_snapshot
 
 MODEL = "test/tiny-model"
 FINGERPRINT = "fp-0123456789abcdef"
@@ -51,7 +47,9 @@ def make_kv(layout: KVLayout, num_tokens: int, seed: int = 0) -> np.ndarray:
 def block_raws(kv: np.ndarray, block_size: int) -> list[bytes]:
     """The raw bytes of each block: the token axis cut into ``block_size`` pieces, last one short."""
     num_tokens = kv.shape[3]
-    return [np.ascontiguousarray(kv[:, :, :, s : s + block_size, :]).tobytes() for s in range(0, num_tokens, block_size)]
+    return [
+        np.ascontiguousarray(kv[:, :, :, s : s + block_size, :]).tobytes() for s in range(0, num_tokens, block_size)
+    ]
 
 
 @dataclass
@@ -62,12 +60,8 @@ class Written:
     tokens: list[int]
     raws: list[bytes]
     layout: KVLayout
-    block_size: int
     root: bytes
-    codec: str
-    last_logits: np.ndarray | None
-    messages: list[dict[str, str]] | None
-    blocks: list  # the EncodedBlocks written
+    blocks: list[EncodedBlock]
     size: int
 
 
@@ -79,7 +73,6 @@ def write_test_snapshot(
     layout: KVLayout | None = None,
     codec: str = "shuffle-zstd",
     level: int = 1,
-    tokens: list[int] | None = None,
     last_logits: np.ndarray | None = None,
     messages: list[dict[str, str]] | None = None,
     extra: dict[str, Any] | None = None,
@@ -88,9 +81,7 @@ def write_test_snapshot(
     seed: int = 0,
 ) -> Written:
     layout = layout or make_layout()
-    if tokens is None:
-        rng = np.random.default_rng(seed + 1)
-        tokens = [int(t) for t in rng.integers(0, 50_000, num_tokens)]
+    tokens = [int(t) for t in np.random.default_rng(seed + 1).integers(0, 50_000, num_tokens)]
     root = hashing.chain_root(fingerprint, namespace, block_size)
     hashes = hashing.chain_hashes(tokens, block_size, root)
     raws = block_raws(make_kv(layout, len(tokens), seed), block_size)
@@ -114,7 +105,7 @@ def write_test_snapshot(
         messages=messages,
         extra=extra,
     )
-    return Written(path, list(tokens), raws, layout, block_size, root, codec, last_logits, messages, blocks, size)
+    return Written(path, tokens, raws, layout, root, blocks, size)
 
 
 def read_everything(path: Path) -> dict[str, Any]:

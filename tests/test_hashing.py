@@ -88,9 +88,7 @@ def test_block_size_partitions_differently_under_the_same_root():
 
 
 def test_token_bytes_are_little_endian_int32():
-    assert hashing.token_bytes([1, -1, 2**31 - 1]) == (
-        b"\x01\x00\x00\x00" + b"\xff\xff\xff\xff" + b"\xff\xff\xff\x7f"
-    )
+    assert hashing.token_bytes([1, -1, 2**31 - 1]) == (b"\x01\x00\x00\x00" + b"\xff\xff\xff\xff" + b"\xff\xff\xff\x7f")
     ids = [0, 1, 255, 256, 65_535, 151_935, 2**31 - 1, -(2**31)]
     assert hashing.tokens_from_bytes(hashing.token_bytes(ids)) == ids
     assert hashing.token_bytes([]) == b""
