@@ -13,12 +13,59 @@ from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
-_WORDS = (
-    "the river city market north winter light paper engine garden silver account history window "
-    "mountain letter harbor machine question evening village system library station travel answer "
-    "kingdom summer figure number island forest bridge measure signal doctor theory reason voice "
-    "ancient modern quiet golden narrow distant simple careful sudden bright heavy gentle"
-).split()
+_WORDS = [
+    "the",
+    "river",
+    "city",
+    "market",
+    "north",
+    "winter",
+    "light",
+    "paper",
+    "engine",
+    "garden",
+    "silver",
+    "account",
+    "history",
+    "window",
+    "mountain",
+    "letter",
+    "harbor",
+    "machine",
+    "question",
+    "evening",
+    "village",
+    "system",
+    "library",
+    "station",
+    "travel",
+    "answer",
+    "kingdom",
+    "summer",
+    "figure",
+    "number",
+    "island",
+    "forest",
+    "bridge",
+    "measure",
+    "signal",
+    "doctor",
+    "theory",
+    "reason",
+    "voice",
+    "ancient",
+    "modern",
+    "quiet",
+    "golden",
+    "narrow",
+    "distant",
+    "simple",
+    "careful",
+    "sudden",
+    "bright",
+    "heavy",
+    "gentle",
+]
 
 
 def document(tokenizer, num_tokens: int, seed: int = 0) -> list[int]:

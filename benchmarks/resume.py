@@ -23,7 +23,6 @@ import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from benchmarks.common import best_of, document, machine, table, write_json  # noqa: E402
-from kvsnap import cache as kvcache  # noqa: E402
 from kvsnap.models import load_model  # noqa: E402
 from kvsnap.runner import SamplingParams  # noqa: E402
 from kvsnap.session import Session  # noqa: E402

@@ -1,6 +1,6 @@
 """Prime a long document once, then ask several questions over it without prefilling it again.
 
-    .venv/bin/python examples/batch_resume.py [--model smollm2-135m] [--out doc.kv]
+.venv/bin/python examples/batch_resume.py [--model smollm2-135m] [--out doc.kv]
 """
 
 from __future__ import annotations

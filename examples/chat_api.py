@@ -1,6 +1,6 @@
 """A two-turn chat through the Python API: answer, save, resume in a fresh session, answer again.
 
-    .venv/bin/python examples/chat_api.py [--model smollm2-135m] [--out chat.kv]
+.venv/bin/python examples/chat_api.py [--model smollm2-135m] [--out chat.kv]
 """
 
 from __future__ import annotations

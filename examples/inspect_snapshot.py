@@ -1,6 +1,6 @@
 """Look inside a .kv snapshot without loading the model, and ask what a prompt would reuse.
 
-    .venv/bin/python examples/inspect_snapshot.py FILE [--prompt TEXT]
+.venv/bin/python examples/inspect_snapshot.py FILE [--prompt TEXT]
 """
 
 from __future__ import annotations

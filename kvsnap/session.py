@@ -190,8 +190,8 @@ class Session:
         self.pending = []
         self.last_logits = torch.from_numpy(logits).to(self.lm.device) if logits is not None else None
         self._encoded = encoded
-        if prompt_ids is None or messages is not None:
-            self.messages = messages
+        # A partial prefix of a chat is no longer that chat: its messages would not match the tokens.
+        self.messages = messages
         return RestoreStats(str(path), meta.num_tokens, hit, num_blocks, time.perf_counter() - t0)
 
     # -- prefill and decode -------------------------------------------------------------------
@@ -227,7 +227,11 @@ class Session:
         if not self.pending:
             return 0
         n = len(self.pending)
-        self.last_logits = self.runner.forward(self.cache, self.pending, len(self.tokens))
+        try:
+            self.last_logits = self.runner.forward(self.cache, self.pending, len(self.tokens))
+        except BaseException:
+            kvcache.crop(self.cache, len(self.tokens))  # a half-run forward must not stay in the cache
+            raise
         self.tokens += self.pending
         self.pending = []
         return n
@@ -237,7 +241,13 @@ class Session:
         self.flush()
         if self.last_logits is None:
             raise ConfigError("nothing to continue from: prefill a prompt first")
-        gen = generate(self.runner, self.cache, self.last_logits, len(self.tokens), params, on_text)
+        try:
+            gen = generate(self.runner, self.cache, self.last_logits, len(self.tokens), params, on_text)
+        except BaseException:
+            # generate() handles Ctrl-C itself; any other error (a failing on_text callback, the model)
+            # would leave KV for tokens the session does not hold: drop them, keep the session as it was.
+            kvcache.crop(self.cache, len(self.tokens))
+            raise
         self.tokens += list(gen.token_ids[: gen.forwarded])
         self.pending = list(gen.token_ids[gen.forwarded :])
         self.last_logits = gen.last_logits

@@ -1,0 +1,154 @@
+"""Tiny random-weight models for the engine tests: built offline, seeded, loadable by ``kvsnap.load_model``.
+
+Each model is a real transformers architecture (Llama, Qwen2, Mistral, Phi-3, OLMo2, Granite) shrunk to
+2 layers, hidden 64, 4 query heads over 2 KV heads (GQA), saved with ``save_pretrained`` next to a small
+byte-level BPE tokenizer trained on an in-memory corpus and given a ChatML-like chat template. Nothing is
+downloaded. The same architecture, seed and corpus give the same files (and so the same fingerprint).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:  # the suite runs from a plain checkout, kvsnap need not be installed
+    sys.path.insert(0, _ROOT)
+
+VOCAB_SIZE = 320
+BOS = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (BOS, IM_START, IM_END)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. ",
+    "What is the capital of France? The capital of France is Paris. ",
+    "And of Italy? The capital of Italy is Rome. ",
+    "Once upon a time there was a small cache that kept every key and value it had ever seen. ",
+    "Blocks of tokens are hashed in a chain, so a prefix is found by its last block alone. ",
+    "user assistant system hello world how are you today 0123456789 ",
+)
+
+# transformers config class and the extra settings each architecture needs to be a plain full-attention model.
+ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {"use_sliding_window": False}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "phi3": ("Phi3Config", {"sliding_window": None}),
+    "olmo2": ("Olmo2Config", {}),
+    "granite": ("GraniteConfig", {}),
+}
+CORE_ARCHS = ("llama", "qwen2", "mistral", "phi3")  # the four the brief requires; olmo2/granite are extra
+
+# Configs whose cache is not a plain full-attention DynamicCache: load_model must refuse them.
+UNSUPPORTED: dict[str, tuple[str, dict[str, Any]]] = {
+    "mistral-sliding": ("MistralConfig", {"sliding_window": 16}),
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 16}),
+}
+
+
+def build_tokenizer():
+    """A byte-level BPE (any text encodes) with ChatML specials, wrapped for transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(CORPUS) * 4, trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=IM_END, pad_token=BOS)
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def tiny_config(arch: str, tokenizer, **overrides: Any):
+    """A ~2-layer, 64-wide config of ``arch`` (a key of ARCHS or UNSUPPORTED) sized to ``tokenizer``."""
+    import transformers
+
+    class_name, extra = {**ARCHS, **UNSUPPORTED}[arch]
+    settings: dict[str, Any] = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        # Larger than the usual 0.02 so attention is far from uniform: a wrong position or a wrong
+        # KV entry moves the logits by much more than the tolerances the tests use.
+        "initializer_range": 0.25,
+        "bos_token_id": tokenizer.convert_tokens_to_ids(BOS),
+        "eos_token_id": tokenizer.convert_tokens_to_ids(IM_END),
+        "pad_token_id": tokenizer.convert_tokens_to_ids(BOS),
+        **extra,
+        **overrides,
+    }
+    return getattr(transformers, class_name)(**settings)
+
+
+def build_tiny_model(folder: Path, arch: str, *, seed: int | None = None, **config_overrides: Any) -> Path:
+    """Write a seeded random-weight model of ``arch`` and the tiny tokenizer into ``folder``.
+
+    The default seed differs per architecture, so no two tiny models share weights.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+    tokenizer = build_tokenizer()
+    config = tiny_config(arch, tokenizer, **config_overrides)
+    torch.manual_seed(seed if seed is not None else sorted({**ARCHS, **UNSUPPORTED}).index(arch))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def perturbed_copy(src: Path, dst: Path, *, delta: float = 1e-3) -> Path:
+    """Copy a model folder with one weight changed by ``delta`` (same config, tokenizer and shapes)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = dst / "model.safetensors"
+    tensors = load_file(str(weights))
+    name = sorted(n for n in tensors if n.endswith("q_proj.weight") or n.endswith("qkv_proj.weight"))[0]
+    tensors[name] = tensors[name].clone()
+    tensors[name][0, 0] += delta
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    return dst
+
+
+# ---------------------------------------------------------------------------------------------
+# Editing a written .kv (safetensors) file
+
+
+def tensor_span(path: Path, name: str) -> tuple[int, int]:
+    """Absolute ``[start, end)`` byte range of tensor ``name`` in a safetensors file."""
+    data = path.read_bytes()
+    (header_len,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + header_len])
+    start, end = header[name]["data_offsets"]
+    return 8 + header_len + start, 8 + header_len + end
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x40
+    path.write_bytes(bytes(data))
