@@ -23,6 +23,9 @@ DEFAULT_LEVEL = 1
 _PLANE_RAW = 0
 _PLANE_ZSTD = 1
 _PLANE_HEADER = struct.Struct("<BQ")
+# A plane is stored compressed only if that saves at least 3%: the low mantissa planes of float KV
+# shrink by under 1%, which is not worth their decompression time on every resume.
+_WORTH = 0.97
 _local = threading.local()
 
 
@@ -72,16 +75,29 @@ def encode(raw: bytes | memoryview, itemsize: int, codec: str = DEFAULT_CODEC, l
     raise ValueError(f"unknown codec {codec!r}; known: {', '.join(CODECS)}")
 
 
-def decode(stored: bytes | memoryview, raw_size: int, itemsize: int, codec: str) -> bytes | bytearray:
-    """Decode ``stored`` back to exactly ``raw_size`` bytes, or raise ``CodecError``."""
+def decode(
+    stored: bytes | memoryview, raw_size: int, itemsize: int, codec: str, out: np.ndarray | None = None
+) -> bytes | bytearray | np.ndarray:
+    """Decode ``stored`` back to exactly ``raw_size`` bytes, or raise ``CodecError``.
+
+    With ``out`` (a writable uint8 array of at least ``raw_size`` bytes) the result is written
+    there and ``out[:raw_size]`` returned, so a reader can reuse one buffer for many blocks.
+    """
     if codec == "raw":
         if len(stored) != raw_size:
             raise CodecError(f"raw block holds {len(stored)} bytes, expected {raw_size}")
-        return bytes(stored)
+        if out is None:
+            return bytes(stored)
+        out[:raw_size] = np.frombuffer(stored, dtype=np.uint8)
+        return out[:raw_size]
     if codec == "zstd":
-        return _zstd_decode(stored, raw_size)
+        data = _zstd_decode(stored, raw_size)
+        if out is None:
+            return data
+        out[:raw_size] = np.frombuffer(data, dtype=np.uint8)
+        return out[:raw_size]
     if codec == "shuffle-zstd":
-        return _decode_shuffled(stored, raw_size, itemsize)
+        return _decode_shuffled(stored, raw_size, itemsize, out)
     raise CodecError(f"unknown codec {codec!r}")
 
 
@@ -94,7 +110,7 @@ def _encode_shuffled(raw: bytes | memoryview, itemsize: int, level: int) -> byte
     payloads = []
     for plane in planes:
         packed = _compressor(level).compress(plane.data)
-        if len(packed) < plane.size:
+        if len(packed) < _WORTH * plane.size:
             header.append(_PLANE_HEADER.pack(_PLANE_ZSTD, len(packed)))
             payloads.append(packed)
         else:
@@ -103,8 +119,10 @@ def _encode_shuffled(raw: bytes | memoryview, itemsize: int, level: int) -> byte
     return b"".join(header + payloads)
 
 
-def _decode_shuffled(stored: bytes | memoryview, raw_size: int, itemsize: int) -> bytearray:
-    view = memoryview(stored)
+def _decode_shuffled(
+    stored: bytes | memoryview, raw_size: int, itemsize: int, out: np.ndarray | None = None
+) -> bytearray | np.ndarray:
+    view = memoryview(stored).cast("B")
     if raw_size % itemsize:
         raise CodecError(f"declared size {raw_size} is not a multiple of {itemsize}")
     if len(view) < 1 or view[0] != itemsize:
@@ -113,9 +131,14 @@ def _decode_shuffled(stored: bytes | memoryview, raw_size: int, itemsize: int) -
     pos = 1 + itemsize * _PLANE_HEADER.size
     if len(view) < pos:
         raise CodecError("byte-plane header is truncated")
-    out = bytearray(raw_size)
+    result: bytearray | np.ndarray
+    if out is None:
+        result = bytearray(raw_size)
+        flat = np.frombuffer(result, dtype=np.uint8)
+    else:
+        result = flat = out[:raw_size]
     # [n, itemsize] view of the output: plane i fills column i.
-    grid = np.frombuffer(out, dtype=np.uint8).reshape(n, itemsize)
+    grid = flat.reshape(n, itemsize)
     for i in range(itemsize):
         mode, length = _PLANE_HEADER.unpack_from(view, 1 + i * _PLANE_HEADER.size)
         if length > len(view) - pos:
@@ -133,4 +156,4 @@ def _decode_shuffled(stored: bytes | memoryview, raw_size: int, itemsize: int) -
         grid[:, i] = plane
     if pos != len(view):
         raise CodecError(f"{len(view) - pos} trailing bytes after the byte planes")
-    return out
+    return result

@@ -329,7 +329,7 @@ def load_model(
     """Load a supported model with its tokenizer, ready for a ``Session``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kvsnap import cache
+    from kvsnap import attention, cache
 
     _quiet_transformers()
 
@@ -343,7 +343,9 @@ def load_model(
     cache.check_supported(config)
     progress(f"loading {spec}")
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch_dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=torch_dtype, attn_implementation=attention.implementation_for(dev)
+        )
     except Exception as exc:
         raise ModelError(f"cannot load the model in {folder}: {exc}") from None
     model.to(dev).eval()

@@ -27,11 +27,12 @@ from kvsnap import hashing, prefix
 from kvsnap.errors import ConfigError
 from kvsnap.models import LoadedModel
 from kvsnap.runner import Generation, Runner, SamplingParams, generate
-from kvsnap.snapshot import EncodedBlock, Snapshot, encode_block, write_snapshot
+from kvsnap.snapshot import EncodedBlock, Snapshot, checksum, encode_block, write_snapshot
 
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_CHUNK_SIZE = 512
 _ENCODE_WORKERS = 4
+_DECODE_ROOM = 256
 
 ProgressFn = Callable[[int, int], None]
 TextFn = Callable[[str], None]
@@ -166,17 +167,18 @@ class Session:
             else:
                 hit = prefix.match_prefix(prompt_ids, snap.tokens, meta.block_hashes, meta.block_size, root).hit_tokens
             num_blocks = -(-hit // meta.block_size)
-            raw, stored = snap.read_blocks(range(num_blocks), keep_stored=True)
+            # Room for the suffix and a first answer, so they are written in place.
+            room = max(len(prompt_ids or ()), hit) + _DECODE_ROOM
+            restorer = kvcache.Restorer(self.lm.layout, hit, self.lm.device, capacity=room)
+            starts = [i * meta.block_size for i in range(num_blocks)]
+
+            def sink(index: int, raw) -> None:
+                restorer.write(starts[index], meta.blocks[index].num_tokens, raw)
+
+            _, stored = snap.read_blocks(range(num_blocks), keep_stored=True, sink=sink)
             whole = hit == meta.num_tokens
             logits = snap.last_logits() if whole else None
-            cache = kvcache.restore_cache(
-                self.lm.config,
-                self.lm.layout,
-                raw,
-                [b.num_tokens for b in meta.blocks[:num_blocks]],
-                hit,
-                self.lm.device,
-            )
+            cache = restorer.finish(self.lm.config)
             encoded = {}
             if meta.block_size == self.block_size and meta.codec == self.codec:
                 for i in range(hit // meta.block_size):
@@ -338,6 +340,12 @@ class Session:
             start, end = i * bs, min((i + 1) * bs, n)
             h = hashes[i] if i < len(hashes) else None
             cached = self._encoded.get(h) if h is not None else None
+            if (
+                cached is not None
+                and isinstance(cached.stored, memoryview)
+                and checksum(cached.stored) != cached.checksum
+            ):
+                cached = None  # a view of a file someone changed in place since it was read: encode afresh
             blocks.append(cached)
             if cached is None:
                 todo.append((i, start, end, h))

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import struct
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,7 +77,7 @@ class EncodedBlock:
     num_tokens: int
     hash: bytes | None  # chained hash; None for a partial tail block
     raw_bytes: int
-    stored: bytes
+    stored: bytes | memoryview  # a view of the file it was read from, or fresh bytes
     checksum: str
 
 
@@ -245,6 +247,17 @@ def _atomic_write(path: Path, parts: list[bytes | memoryview]) -> int:
     return size
 
 
+_local = threading.local()
+
+
+def _scratch(size: int) -> np.ndarray:
+    """A per-thread reusable decode buffer (fresh pages for every block would cost page faults)."""
+    buf = getattr(_local, "scratch", None)
+    if buf is None or buf.size < size:
+        buf = _local.scratch = np.empty(size, dtype=np.uint8)
+    return buf
+
+
 def block_name(index: int) -> str:
     return f"block.{index:06d}"
 
@@ -273,7 +286,9 @@ class Snapshot:
             self._file = safe_open(str(self.path), framework="numpy")
         except Exception as exc:  # safetensors raises its own error types for every header problem
             raise SnapshotError(f"{self.path}: not a valid safetensors file ({_one_line(exc)}); truncated?") from None
+        self._mm: mmap.mmap | None = None
         try:
+            self._map()
             self.meta = _parse_meta(self._file.metadata())
             self._check_tensors()
             self.tokens = self._read_tokens()
@@ -293,6 +308,39 @@ class Snapshot:
 
     def close(self) -> None:
         self._file = None
+        if self._mm is not None:
+            # Blocks handed out (a session keeps them for its next save) are views of the map;
+            # it is unmapped when the last of them is dropped.
+            with contextlib.suppress(BufferError):
+                self._mm.close()
+            self._mm = None
+
+    def _map(self) -> None:
+        """Map the file and locate every tensor's bytes: blocks are then read without a copy."""
+        with open(self.path, "rb") as fh:
+            self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        size = len(self._mm)
+        (header_len,) = struct.unpack_from("<Q", self._mm, 0)
+        if header_len > size - 8:
+            raise SnapshotError("header runs past the end of the file (truncated?)")
+        header = json.loads(bytes(self._mm[8 : 8 + header_len]))
+        if not isinstance(header, dict):
+            raise SnapshotError("header is not a JSON object")
+        start = 8 + header_len
+        self._spans: dict[str, tuple[int, int]] = {}
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            a, b = entry["data_offsets"]
+            if not (isinstance(a, int) and isinstance(b, int) and 0 <= a <= b <= size - start):
+                raise SnapshotError(f"tensor {name} lies outside the file")
+            self._spans[name] = (start + a, start + b)
+
+    def _view(self, name: str) -> memoryview:
+        if self._mm is None:
+            raise SnapshotError(f"{self.path}: snapshot is closed")
+        a, b = self._spans[name]
+        return memoryview(self._mm)[a:b]
 
     def _check_tensors(self) -> None:
         f = self._file
@@ -314,8 +362,7 @@ class Snapshot:
                 )
 
     def _read_tokens(self) -> list[int]:
-        data = self._file.get_tensor("tokens")
-        raw = np.ascontiguousarray(data, dtype="<i4").tobytes()
+        raw = bytes(self._view("tokens"))
         if checksum(raw) != self.meta.tokens_checksum:
             raise SnapshotError("token ids fail their checksum")
         tokens = hashing.tokens_from_bytes(raw)
@@ -329,57 +376,69 @@ class Snapshot:
     def num_tokens(self) -> int:
         return self.meta.num_tokens
 
-    def read_stored(self, index: int) -> bytes:
-        """The stored (encoded) bytes of block ``index``, checksum verified."""
-        if self._file is None:
-            raise SnapshotError(f"{self.path}: snapshot is closed")
+    def read_stored(self, index: int) -> memoryview:
+        """The stored (encoded) bytes of block ``index``, checksum verified; a view of the file, no copy."""
         info = self.meta.blocks[index]
-        try:
-            data = self._file.get_tensor(block_name(index))
-        except Exception as exc:
-            raise SnapshotError(f"{self.path}: cannot read block {index} ({_one_line(exc)})") from None
-        stored = data.tobytes()
+        stored = self._view(block_name(index))
         if len(stored) != info.stored_bytes or checksum(stored) != info.checksum:
             raise SnapshotError(f"{self.path}: checksum mismatch in block {index}")
         return stored
 
-    def decode_block(self, index: int, stored: bytes) -> bytes | bytearray:
+    def decode_block(
+        self, index: int, stored: bytes | memoryview, out: np.ndarray | None = None
+    ) -> bytes | bytearray | np.ndarray:
         info = self.meta.blocks[index]
         try:
-            return codecs.decode(stored, info.raw_bytes, self.meta.layout.itemsize, self.meta.codec)
+            return codecs.decode(stored, info.raw_bytes, self.meta.layout.itemsize, self.meta.codec, out)
         except codecs.CodecError as exc:
             raise SnapshotError(f"{self.path}: block {index} does not decode ({exc})") from None
 
-    def encoded_block(self, index: int, stored: bytes) -> EncodedBlock:
+    def encoded_block(self, index: int, stored: bytes | memoryview) -> EncodedBlock:
         info = self.meta.blocks[index]
         return EncodedBlock(info.num_tokens, info.hash, info.raw_bytes, stored, info.checksum)
 
     def read_blocks(
-        self, indices: Sequence[int], *, workers: int = _DECODE_WORKERS, keep_stored: bool = False
-    ) -> list[bytes | bytearray] | tuple[list[bytes | bytearray], list[bytes]]:
+        self,
+        indices: Sequence[int],
+        *,
+        workers: int = _DECODE_WORKERS,
+        keep_stored: bool = False,
+        sink: Callable[[int, np.ndarray], None] | None = None,
+    ) -> list[Any] | tuple[list[Any], list[memoryview]]:
         """Raw bytes of the given blocks, in order; only these blocks' bytes are read.
 
-        Blocks are checksum-verified and decoded in parallel threads (zstd releases the GIL).
-        With ``keep_stored`` also returns the stored bytes (a session keeps them for its next save).
+        Blocks are checksum-verified and decoded in parallel threads (zstd and numpy copies
+        release the GIL). With ``sink``, each decoded block is handed to ``sink(index, raw)`` in
+        its worker thread instead (``raw`` is a scratch buffer reused afterwards: copy it out) and
+        the returned raws are None. With ``keep_stored`` also returns the stored bytes (views of
+        the file), which a session keeps for its next save.
         """
-        stored = [self.read_stored(i) for i in indices]
+        indices = list(indices)
+
+        def one(index: int) -> tuple[Any, memoryview]:
+            stored = self.read_stored(index)
+            if sink is None:
+                return self.decode_block(index, stored), stored
+            raw = self.decode_block(index, stored, out=_scratch(self.meta.blocks[index].raw_bytes))
+            sink(index, raw)
+            return None, stored
+
         if workers > 1 and len(indices) > 1:
             with ThreadPoolExecutor(max_workers=workers) as pool:
-                raw = list(pool.map(self.decode_block, indices, stored))
+                results = list(pool.map(one, indices))
         else:
-            raw = [self.decode_block(i, s) for i, s in zip(indices, stored)]
-        return (raw, stored) if keep_stored else raw
+            results = [one(i) for i in indices]
+        raws = [r for r, _ in results]
+        return (raws, [st for _, st in results]) if keep_stored else raws
 
     def last_logits(self) -> np.ndarray | None:
         if self.meta.logits_checksum is None:
             return None
-        if self._file is None:
-            raise SnapshotError(f"{self.path}: snapshot is closed")
-        try:
-            data = np.ascontiguousarray(self._file.get_tensor("last_logits"), dtype="<f4")
-        except Exception as exc:
-            raise SnapshotError(f"{self.path}: cannot read last-position logits ({_one_line(exc)})") from None
-        if checksum(data.tobytes()) != self.meta.logits_checksum:
+        raw = self._view("last_logits")
+        if len(raw) % 4:
+            raise SnapshotError(f"{self.path}: last-position logits have a partial element")
+        data = np.frombuffer(raw, dtype="<f4").copy()
+        if checksum(raw) != self.meta.logits_checksum:
             raise SnapshotError(f"{self.path}: last-position logits fail their checksum")
         return data
 
