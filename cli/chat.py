@@ -29,6 +29,10 @@ def chat(
     save: Annotated[
         Path | None, typer.Option(help="Autosave here after every turn (default: the --resume file).")
     ] = None,
+    on_mismatch: Annotated[
+        str,
+        typer.Option(help="If the --resume snapshot is refused: ask (error when not a terminal), error, recompute."),
+    ] = "ask",
     system: Annotated[str | None, typer.Option(help="System message for a new conversation.")] = None,
     max_new_tokens: o.MaxNewTokens = 512,
     temperature: o.Temperature = 0.7,
@@ -36,6 +40,7 @@ def chat(
     top_k: o.TopK = 0,
     seed: o.Seed = None,
     chunk_size: o.ChunkSize = 512,
+    namespace: o.Namespace = "",
     block_size: o.BlockSize = 64,
     codec: o.Codec = "shuffle-zstd",
     device: o.Device = "auto",
@@ -46,26 +51,36 @@ def chat(
     Reads one message per line. When stdin is not a terminal (a pipe or a file), each line is a
     user message and /exit or end of input ends the chat.
     """
+    from kvsnap.errors import ConfigError, SnapshotError
     from kvsnap.runner import SamplingParams
     from kvsnap.session import Session
 
+    if on_mismatch not in ("ask", "error", "recompute"):
+        raise ConfigError(f"--on-mismatch must be ask, error or recompute, not {on_mismatch!r}")
+
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     lm = ui.load_model(model, device, dtype)
-    session = Session(lm, chunk_size=chunk_size, block_size=block_size, codec=codec)
+    session = Session(lm, chunk_size=chunk_size, block_size=block_size, codec=codec, namespace=namespace)
     autosave = save or resume
-    if resume is not None and resume.exists():
-        stats = session.restore(resume)
-        ui.note(ui.resume_line(stats, recomputed=0))
-        if session.messages:
-            turns = sum(1 for m in session.messages if m["role"] == "user")
-            ui.note(f"{turns} earlier turn{'s' if turns != 1 else ''}; last answer: {_last_answer(session.messages)}")
-        else:
-            ui.note("the snapshot has no chat history; its tokens are reused where the conversation matches them")
-    elif resume is not None:
+    interactive = sys.stdin.isatty()
+    if resume is not None and not resume.exists():
         ui.note(f"{resume} does not exist yet: starting a new session")
+    elif resume is not None:
+        try:
+            stats = session.restore(resume)
+        except SnapshotError as exc:
+            _refused(exc, on_mismatch, interactive, autosave)
+        else:
+            ui.note(ui.resume_line(stats, recomputed=0))
+            if session.messages:
+                turns = sum(1 for m in session.messages if m["role"] == "user")
+                ui.note(
+                    f"{turns} earlier turn{'s' if turns != 1 else ''}; last answer: {_last_answer(session.messages)}"
+                )
+            else:
+                ui.note("the snapshot has no chat history; its tokens are reused where the conversation matches them")
     if autosave is None:
         ui.note("not autosaving (use --save FILE or /save FILE)")
-    interactive = sys.stdin.isatty()
     if interactive:
         import readline  # noqa: F401  (line editing and history for input())
 
@@ -97,6 +112,20 @@ def chat(
         ui.note(ui.turn_stats(result))
         if autosave is not None:
             ui.note(ui.save_line(session.save(autosave)))
+
+
+def _refused(exc: Exception, policy: str, interactive: bool, autosave: Path | None) -> None:
+    """A snapshot that cannot be used: stop, or (when allowed) start over without touching the file yet."""
+    if policy == "ask" and interactive:
+        ui.error(str(exc))
+        where = f"; the next autosave replaces {autosave}" if autosave is not None else ""
+        answer = input(f"start a new conversation instead{where}? [y/N] ").strip().lower()
+        if answer not in ("y", "yes"):
+            raise typer.Exit(1)
+    elif policy != "recompute":
+        raise exc
+    else:
+        ui.error(f"{exc} (starting a new conversation)")
 
 
 def _command(text: str, session, autosave: Path | None, system: str | None) -> bool:

@@ -24,3 +24,10 @@ Stop = Annotated[list[str] | None, typer.Option("--stop", help="Stop generating 
 Resume = Annotated[Path | None, typer.Option(help="Snapshot (.kv) to reuse as the prefix cache.")]
 Save = Annotated[Path | None, typer.Option(help="Write the session to this .kv file after the run.")]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object (one line per job in a batch).")]
+Namespace = Annotated[
+    str,
+    typer.Option(
+        help="Salt for the block hash chain: snapshots made under another namespace never match. "
+        "Use one per user on shared machines (a hit is faster than a miss, so shared blocks leak what others asked)."
+    ),
+]

@@ -27,6 +27,9 @@ def run(
         Path | None, typer.Option(help="JSONL jobs, one per line; '-' reads stdin. Results: one JSON line each.")
     ] = None,
     resume: o.Resume = None,
+    on_mismatch: Annotated[
+        str, typer.Option(help="When --resume's snapshot is refused: error (default) or recompute from scratch.")
+    ] = "error",
     save: o.Save = None,
     json_out: o.Json = False,
     model: o.Model = "smollm2-135m",
@@ -37,6 +40,7 @@ def run(
     seed: o.Seed = None,
     stop: o.Stop = None,
     chunk_size: o.ChunkSize = 512,
+    namespace: o.Namespace = "",
     block_size: o.BlockSize = 64,
     codec: o.Codec = "shuffle-zstd",
     device: o.Device = "auto",
@@ -70,7 +74,7 @@ def run(
     if batch is not None:
         lines = sys.stdin if str(batch) == "-" else _open_batch(batch)
     lm = ui.load_model(model, device, dtype)
-    session = Session(lm, chunk_size=chunk_size, block_size=block_size, codec=codec)
+    session = Session(lm, chunk_size=chunk_size, block_size=block_size, codec=codec, namespace=namespace)
 
     if batch is None:
         job = Job(
@@ -84,7 +88,9 @@ def run(
         )
         stream = None if json_out else ui.emit
         with ui.prefill_progress() as progress:
-            row = run_job(session, job, defaults, on_text=stream, on_progress=progress)
+            row = run_job(session, job, defaults, on_text=stream, on_progress=progress, on_mismatch=on_mismatch)
+        if row.get("restore_error"):
+            ui.note(f"snapshot refused, recomputed from scratch: {row['restore_error']}")
         if json_out:
             row.pop("id")
             ui.print_json(row)
@@ -103,7 +109,7 @@ def run(
         if item.resume is None and resume is not None:
             item = _with(item, resume=str(resume))
         try:
-            row = run_job(session, item, defaults)
+            row = run_job(session, item, defaults, on_mismatch=on_mismatch)
         except KvsnapError as exc:  # one bad job must not stop the batch
             failed += 1
             row = error_row(item.id, exc)

@@ -130,13 +130,17 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text)["input_ids"])
 
 
-def run_job(session, job: Job, defaults: SamplingParams, on_text=None, on_progress=None) -> dict[str, Any]:
+def run_job(
+    session, job: Job, defaults: SamplingParams, on_text=None, on_progress=None, on_mismatch: str = "error"
+) -> dict[str, Any]:
     """Run one job on a fresh session state; returns its result row (raises ``KvsnapError`` on failure)."""
     session.reset()
     ids = prompt_ids(session, job)
     if job.resume is not None and not Path(job.resume).exists():
         raise ConfigError(f"{job.resume}: no such snapshot to resume")
-    result = session.run(ids, job.params(defaults), resume=job.resume, on_text=on_text, on_progress=on_progress)
+    result = session.run(
+        ids, job.params(defaults), resume=job.resume, on_text=on_text, on_progress=on_progress, on_mismatch=on_mismatch
+    )
     row: dict[str, Any] = {"id": job.id, **result.to_dict()}
     if job.save is not None:
         saved = session.save(job.save)

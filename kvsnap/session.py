@@ -24,7 +24,7 @@ import torch
 from kvsnap import cache as kvcache
 from kvsnap import codec as codecs
 from kvsnap import hashing, prefix
-from kvsnap.errors import ConfigError
+from kvsnap.errors import ConfigError, SnapshotError
 from kvsnap.models import LoadedModel
 from kvsnap.runner import Generation, Runner, SamplingParams, generate
 from kvsnap.snapshot import EncodedBlock, Snapshot, checksum, encode_block, write_snapshot
@@ -66,6 +66,7 @@ class TurnResult:
     decode_s: float
     total_s: float
     restored_from: str | None = None
+    restore_error: str | None = None  # the snapshot was refused and everything recomputed (on_mismatch="recompute")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -263,10 +264,25 @@ class Session:
         resume: str | Path | None = None,
         on_text: TextFn | None = None,
         on_progress: ProgressFn | None = None,
+        on_mismatch: str = "error",
     ) -> TurnResult:
-        """The whole path for one prompt: restore -> prefill the suffix -> decode."""
+        """The whole path for one prompt: restore -> prefill the suffix -> decode.
+
+        ``on_mismatch="recompute"`` turns a refused snapshot (damaged, foreign, too new) into a
+        cold run that says why in ``restore_error``; the default raises the ``SnapshotError``.
+        """
+        if on_mismatch not in ("error", "recompute"):
+            raise ConfigError(f"on_mismatch must be 'error' or 'recompute', not {on_mismatch!r}")
         t0 = time.perf_counter()
-        restored = self.restore(resume, prompt_ids) if resume is not None else None
+        restored = None
+        restore_error = None
+        if resume is not None:
+            try:
+                restored = self.restore(resume, prompt_ids)
+            except SnapshotError as exc:
+                if on_mismatch == "error":
+                    raise
+                restore_error = str(exc)
         t1 = time.perf_counter()
         plan, seen = self.prefill(prompt_ids, on_progress)
         t2 = time.perf_counter()
@@ -290,6 +306,7 @@ class Session:
             decode_s=round(t3 - t2, 6),
             total_s=round(t3 - t0, 6),
             restored_from=str(resume) if restored is not None else None,
+            restore_error=restore_error,
         )
 
     # -- chat --------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import contextlib
 import json
 import mmap
 import os
+import re
 import struct
 import tempfile
 import threading
@@ -223,28 +224,68 @@ def write_snapshot(
 
 def _atomic_write(path: Path, parts: list[bytes | memoryview]) -> int:
     folder = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for part in parts:
-                f.write(part)
-            f.flush()
-            os.fsync(f.fileno())
-            size = f.tell()
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    with _locked(folder / f".{path.name}.lock"):
+        # Under the lock no other writer is active: any temp file of this target is a crash's leftover.
+        remove_stale_temps(path)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                for part in parts:
+                    f.write(part)
+                f.flush()
+                os.fsync(f.fileno())
+                size = f.tell()
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        _fsync_dir(folder)
+    return size
+
+
+def _fsync_dir(folder: Path) -> None:
+    # The rename is durable only once the folder's entry is on disk.
     try:
         dir_fd = os.open(folder, os.O_RDONLY)
     except OSError:
-        return size
+        return
     try:
         os.fsync(dir_fd)
+    except OSError:
+        pass
     finally:
         os.close(dir_fd)
-    return size
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path):
+    """An exclusive advisory lock (fcntl) serialising writers of one snapshot path."""
+    try:
+        import fcntl
+    except ImportError:  # no fcntl (Windows): atomic rename still keeps every file whole
+        yield
+        return
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def remove_stale_temps(path: Path) -> list[Path]:
+    """Delete temp files a crashed save of ``path`` left behind; returns what was removed."""
+    folder = path.parent if str(path.parent) else Path(".")
+    pattern = re.compile(rf"^\.{re.escape(path.name)}\.[A-Za-z0-9_]{{8}}\.tmp$")
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(folder):
+            if pattern.match(entry.name):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+                    removed.append(Path(entry.path))
+    return removed
 
 
 _local = threading.local()

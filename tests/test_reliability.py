@@ -1,0 +1,360 @@
+"""Nothing is lost on a crash, no damaged or foreign snapshot is ever used, and nothing unpickles.
+
+Fault injection stops a save at every step (partial write, ENOSPC, fsync, rename, Ctrl-C): the
+previous snapshot must still load bit-identically and no temp file may be left for good. Real
+processes are killed with SIGKILL in the middle of their save, and two writers race on one path.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from core_helpers import read_everything, write_test_snapshot
+from typer.testing import CliRunner
+
+from cli.main import app
+from kvsnap.errors import SnapshotError
+from kvsnap.runner import SamplingParams
+from kvsnap.session import Session
+from kvsnap.snapshot import Snapshot
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def temps(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".tmp"))
+
+
+class FailingFile:
+    """A file object that writes ``limit`` bytes in all, then fails like a full disk."""
+
+    def __init__(self, inner, limit: int, exc: BaseException):
+        self.inner, self.left, self.exc = inner, limit, exc
+
+    def write(self, data):
+        data = memoryview(data).cast("B")
+        if len(data) > self.left:
+            self.inner.write(data[: self.left])
+            self.left = 0
+            raise self.exc
+        self.left -= len(data)
+        return self.inner.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.inner.close()
+
+
+@pytest.fixture
+def previous(tmp_path):
+    """An existing snapshot, the one every failed save must leave intact."""
+    written = write_test_snapshot(
+        tmp_path / "s.kv", num_tokens=40, block_size=8, messages=[{"role": "user", "content": "x"}]
+    )
+    return written.path, sha(written.path), read_everything(written.path)
+
+
+def assert_intact(path: Path, digest: str, content) -> None:
+    assert sha(path) == digest
+    assert read_everything(path) == content
+
+
+@pytest.mark.parametrize(
+    "step",
+    ["partial-write-enospc", "partial-write-interrupt", "fsync", "rename", "rename-interrupt", "dir-fsync"],
+)
+def test_a_save_that_fails_at_any_step_leaves_the_previous_snapshot(previous, monkeypatch, step):
+    path, digest, content = previous
+    real_fdopen, real_fsync, real_replace = os.fdopen, os.fsync, os.replace
+    if step.startswith("partial-write"):
+        exc = OSError(errno.ENOSPC, "No space left on device") if "enospc" in step else KeyboardInterrupt()
+        monkeypatch.setattr(os, "fdopen", lambda fd, mode: FailingFile(real_fdopen(fd, mode), 300, exc))
+    elif step == "fsync":
+
+        def bad_fsync(fd):
+            raise OSError(errno.EIO, "I/O error")
+
+        monkeypatch.setattr(os, "fsync", bad_fsync)
+    elif step.startswith("rename"):
+
+        def bad_replace(src, dst):
+            raise KeyboardInterrupt() if "interrupt" in step else OSError(errno.EXDEV, "rename failed")
+
+        monkeypatch.setattr(os, "replace", bad_replace)
+    elif step == "dir-fsync":
+        # The rename happened; only the folder fsync fails: the new file is complete, and that is fine.
+        calls = []
+
+        def fsync_dir_fails(fd):
+            calls.append(fd)
+            if len(calls) > 1:
+                raise OSError(errno.EIO, "I/O error")
+            return real_fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", fsync_dir_fails)
+
+    with pytest.raises((OSError, KeyboardInterrupt)) if step != "dir-fsync" else _nothing():
+        write_test_snapshot(path, num_tokens=64, block_size=8, seed=7)
+    monkeypatch.setattr(os, "fdopen", real_fdopen)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert temps(path.parent) == []
+    if step == "dir-fsync":
+        assert read_everything(path)["tokens"] != content["tokens"]  # the new, complete file
+    else:
+        assert_intact(path, digest, content)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_the_next_save_removes_what_a_crash_left(previous):
+    path, _, _ = previous
+    # What a SIGKILL in mid-save leaves behind: a half-written temp file beside the snapshot.
+    stale = path.parent / f".{path.name}.abcd1234.tmp"
+    stale.write_bytes(b"half a snapshot")
+    other = path.parent / f".{path.name}.x.kv.abcd1234.tmp"  # another file's temp: not ours to remove
+    other.write_bytes(b"")
+    write_test_snapshot(path, num_tokens=12, block_size=8, seed=3)
+    assert not stale.exists() and other.exists()
+    assert read_everything(path)["tokens"]
+
+
+def test_session_save_failure_keeps_previous_file_and_session(llama, tmp_path, monkeypatch):
+    session = Session(llama, block_size=8)
+    session.prefill(list(range(1, 30)))
+    path = tmp_path / "s.kv"
+    session.save(path)
+    digest = sha(path)
+    session.prefill(list(range(1, 50)))
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    with pytest.raises(OSError):
+        session.save(path)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert sha(path) == digest and temps(tmp_path) == []
+    assert session.save(path).tokens == 49  # the session itself is unharmed
+
+
+_WRITER = """
+import sys
+sys.path.insert(0, {tests!r}); sys.path.insert(0, {root!r})
+from pathlib import Path
+from core_helpers import write_test_snapshot, make_layout
+layout = make_layout("float32", layers=8, kv_heads=4, head_dim=32)
+for i in range({rounds}):
+    write_test_snapshot(Path({path!r}), num_tokens=2048, block_size=64, layout=layout, seed={seed})
+"""
+
+
+def test_two_writers_on_one_path_and_a_reader_never_sees_half_a_file(tmp_path):
+    path = tmp_path / "race.kv"
+    expected = {}
+    for seed in (1, 2):
+        w = write_test_snapshot(tmp_path / f"ref{seed}.kv", num_tokens=2048, block_size=64, seed=seed, layout=_big())
+        expected[seed] = w.tokens
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _WRITER.format(tests=str(Path(__file__).parent), root=str(ROOT), rounds=6, path=str(path), seed=seed),
+            ]
+        )
+        for seed in (1, 2)
+    ]
+    reads = 0
+    while any(p.poll() is None for p in procs):
+        if path.exists():
+            with Snapshot(path) as s:  # a half-written file would raise here
+                assert s.tokens in (expected[1], expected[2])
+                assert not s.verify()
+            reads += 1
+    assert all(p.wait() == 0 for p in procs)
+    with Snapshot(path) as s:
+        assert s.tokens in (expected[1], expected[2]) and not s.verify()
+    assert temps(tmp_path) == []
+    assert reads > 0
+
+
+def _big():
+    from core_helpers import make_layout
+
+    return make_layout("float32", layers=8, kv_heads=4, head_dim=32)
+
+
+def test_refused_snapshot_can_fall_back_to_recompute(llama, tmp_path):
+    session = Session(llama, block_size=8)
+    prompt = list(range(1, 40))
+    bad = tmp_path / "bad.kv"
+    bad.write_bytes(b"not a snapshot at all, just some bytes")
+    greedy = SamplingParams(max_new_tokens=4, temperature=0)
+    with pytest.raises(SnapshotError):
+        session.run(prompt, greedy, resume=bad)
+    result = Session(llama, block_size=8).run(prompt, greedy, resume=bad, on_mismatch="recompute")
+    cold = Session(llama, block_size=8).run(prompt, greedy)
+    assert result.restore_error and "bad.kv" in result.restore_error
+    assert result.hit_tokens == 0 and result.prefill_tokens == len(prompt)
+    assert result.text == cold.text
+
+
+def test_cli_on_mismatch(tiny_model_dir, tmp_path, kvsnap_home):
+    model = str(tiny_model_dir("llama"))
+    bad = tmp_path / "bad.kv"
+    bad.write_bytes(os.urandom(200))
+    runner = CliRunner()
+    base = ["run", "--model", model, "--device", "cpu", "--prompt", "hello", "--resume", str(bad), "--json"]
+    assert runner.invoke(app, base).exit_code == 1
+    ok = runner.invoke(app, [*base, "--on-mismatch", "recompute", "--max-new-tokens", "2"])
+    assert ok.exit_code == 0, ok.output
+    row = json.loads(ok.stdout)
+    assert row["restore_error"] and row["hit_tokens"] == 0
+    assert "recomputed from scratch" in ok.stderr
+
+    env = {**os.environ, "KVSNAP_HOME": str(kvsnap_home)}
+    chat = [sys.executable, "-m", "cli.main", "chat", "--model", model, "--device", "cpu", "--resume", str(bad)]
+    refused = subprocess.run(chat, input="hi\n", capture_output=True, text=True, cwd=ROOT, env=env)
+    assert refused.returncode == 1 and "bad.kv" in refused.stderr  # not a terminal: "ask" means error
+    before = bad.read_bytes()
+    go_on = subprocess.run(
+        [*chat, "--on-mismatch", "recompute", "--max-new-tokens", "2"],
+        input="hi\n",
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
+    assert go_on.returncode == 0, go_on.stderr
+    assert "starting a new conversation" in go_on.stderr
+    with Snapshot(bad) as s:  # the autosave replaced the damaged file with the new conversation
+        assert s.meta.messages and s.meta.messages[0]["content"] == "hi"
+    assert before != bad.read_bytes()
+
+
+def test_no_pickle_in_the_load_path(llama, tmp_path, monkeypatch):
+    import pickle
+
+    session = Session(llama, block_size=8)
+    session.prefill(list(range(1, 30)))
+    path = tmp_path / "s.kv"
+    session.save(path)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("pickle used while loading a snapshot")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, forbidden)
+    import torch
+
+    monkeypatch.setattr(torch, "load", forbidden)
+    restored = Session(llama, block_size=8)
+    restored.restore(path, list(range(1, 35)))
+    assert restored.tokens == list(range(1, 30))
+    assert CliRunner().invoke(app, ["inspect", str(path), "--json", "--verify"]).exit_code == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# SIGKILL during a real `kvsnap run --save`
+
+
+@pytest.fixture(scope="module")
+def big_model(tmp_path_factory):
+    """A tiny-weights model with a fat KV (16 KB per token), so a save takes long enough to be hit."""
+    from tiny_models import build_tiny_model
+
+    return build_tiny_model(
+        tmp_path_factory.mktemp("big") / "llama-fat",
+        "llama",
+        num_hidden_layers=8,
+        hidden_size=256,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        intermediate_size=256,
+    )
+
+
+@pytest.mark.slow
+def test_sigkill_during_save_never_leaves_a_broken_snapshot(big_model, tmp_path, kvsnap_home):
+    env = {**os.environ, "KVSNAP_HOME": str(kvsnap_home)}
+    doc = tmp_path / "doc.txt"
+    doc.write_text("the quick brown fox jumps over the lazy dog 0123456789 " * 140)  # ~3.5k tokens
+    base = [
+        sys.executable,
+        "-m",
+        "cli.main",
+        "run",
+        "--model",
+        str(big_model),
+        "--device",
+        "cpu",
+        "--max-new-tokens",
+        "0",
+    ]
+    primed = tmp_path / "primed.kv"
+    subprocess.run(
+        [*base, "--prompt-file", str(doc), "--save", str(primed)], check=True, cwd=ROOT, env=env, capture_output=True
+    )
+    old = tmp_path / "old.kv"
+    subprocess.run(
+        [*base, "--prompt", "an older, shorter session", "--save", str(old)],
+        check=True,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+    )
+    target = tmp_path / "out.kv"
+    with Snapshot(primed) as s:
+        new_tokens = s.tokens
+    with Snapshot(old) as s:
+        old_tokens = s.tokens
+
+    rng = random.Random(0)
+    outcomes = {"killed_mid_save": 0, "finished": 0}
+    for _ in range(12):
+        target.write_bytes(old.read_bytes())
+        proc = subprocess.Popen(
+            [*base, "--prompt-file", str(doc), "--resume", str(primed), "--save", str(target), "--codec", "zstd"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and not temps(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if proc.poll() is None:
+            time.sleep(rng.uniform(0, 0.05))
+            proc.send_signal(signal.SIGKILL)
+        code = proc.wait()
+        outcomes["killed_mid_save" if code == -signal.SIGKILL else "finished"] += 1
+        with Snapshot(target) as s:  # whole: either the old file or the new one, never half
+            assert s.tokens in (old_tokens, new_tokens)
+            assert not s.verify()
+    print(f"SIGKILL test: {outcomes}")
+    assert outcomes["killed_mid_save"] >= 6
+    subprocess.run([*base, "--prompt", "x", "--save", str(target)], check=True, cwd=ROOT, env=env, capture_output=True)
+    assert temps(tmp_path) == []  # the next save swept up what the kills left
