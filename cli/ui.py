@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -39,7 +40,16 @@ def print_json(obj: Any) -> None:
 def status(message: str) -> Iterator[Any]:
     """A spinner with an updatable message; the callable it yields sets the message."""
     if not err.is_terminal:
-        yield lambda msg: note(msg)
+        # Without a terminal a spinner cannot redraw: print each stage once, not every counter tick.
+        seen = {"stage": None}
+
+        def print_stage(msg: str) -> None:
+            stage = re.sub(r"\d+", "#", msg)
+            if stage != seen["stage"]:
+                seen["stage"] = stage
+                note(msg)
+
+        yield print_stage
         return
     with err.status(message) as st:
         yield lambda msg: st.update(msg)

@@ -26,6 +26,10 @@ _PLANE_HEADER = struct.Struct("<BQ")
 # A plane is stored compressed only if that saves at least 3%: the low mantissa planes of float KV
 # shrink by under 1%, which is not worth their decompression time on every resume.
 _WORTH = 0.97
+# The most output a zstd frame can produce per byte: every block (at most 128 KiB of output) costs at
+# least 4 bytes (3-byte header + 1 RLE byte). A declared size beyond this is a lie, refused before any
+# buffer of that size is allocated (a 17-byte frame can otherwise claim a terabyte).
+ZSTD_MAX_RATIO = 32768
 _local = threading.local()
 
 
@@ -54,6 +58,8 @@ def _zstd_decode(data: bytes | memoryview, size: int) -> bytes:
         raise CodecError(f"bad zstd frame: {exc}") from None
     if declared != size:
         raise CodecError(f"zstd frame declares {declared} bytes, expected {size}")
+    if size > len(data) * ZSTD_MAX_RATIO:
+        raise CodecError(f"zstd frame of {len(data)} bytes cannot hold {size} bytes")
     try:
         # Bytes after the frame are damage too, not something to skip.
         out = _decompressor().decompress(data, max_output_size=size, allow_extra_data=False)
@@ -119,6 +125,11 @@ def _encode_shuffled(raw: bytes | memoryview, itemsize: int, level: int) -> byte
     return b"".join(header + payloads)
 
 
+def max_decoded_size(codec: str, stored_size: int) -> int:
+    """The most raw bytes ``stored_size`` stored bytes can decode to with ``codec`` (a sound bound)."""
+    return stored_size if codec == "raw" else stored_size * ZSTD_MAX_RATIO
+
+
 def _decode_shuffled(
     stored: bytes | memoryview, raw_size: int, itemsize: int, out: np.ndarray | None = None
 ) -> bytearray | np.ndarray:
@@ -131,6 +142,25 @@ def _decode_shuffled(
     pos = 1 + itemsize * _PLANE_HEADER.size
     if len(view) < pos:
         raise CodecError("byte-plane header is truncated")
+    # Check every plane's header before the output is allocated: the declared size alone must not
+    # make a damaged block allocate (and zero) gigabytes.
+    planes = []
+    for i in range(itemsize):
+        mode, length = _PLANE_HEADER.unpack_from(view, 1 + i * _PLANE_HEADER.size)
+        if length > len(view) - pos:
+            raise CodecError(f"byte plane {i} runs past the end of the block")
+        if mode == _PLANE_RAW:
+            if length != n:
+                raise CodecError(f"raw byte plane {i} holds {length} bytes, expected {n}")
+        elif mode == _PLANE_ZSTD:
+            if n > length * ZSTD_MAX_RATIO:
+                raise CodecError(f"byte plane {i} of {length} bytes cannot hold {n} bytes")
+        else:
+            raise CodecError(f"byte plane {i} has unknown mode {mode}")
+        planes.append((mode, view[pos : pos + length]))
+        pos += length
+    if pos != len(view):
+        raise CodecError(f"{len(view) - pos} trailing bytes after the byte planes")
     result: bytearray | np.ndarray
     if out is None:
         result = bytearray(raw_size)
@@ -139,21 +169,10 @@ def _decode_shuffled(
         result = flat = out[:raw_size]
     # [n, itemsize] view of the output: plane i fills column i.
     grid = flat.reshape(n, itemsize)
-    for i in range(itemsize):
-        mode, length = _PLANE_HEADER.unpack_from(view, 1 + i * _PLANE_HEADER.size)
-        if length > len(view) - pos:
-            raise CodecError(f"byte plane {i} runs past the end of the block")
-        payload = view[pos : pos + length]
-        pos += length
+    for i, (mode, payload) in enumerate(planes):
         if mode == _PLANE_RAW:
-            if length != n:
-                raise CodecError(f"raw byte plane {i} holds {length} bytes, expected {n}")
             plane = np.frombuffer(payload, dtype=np.uint8)
-        elif mode == _PLANE_ZSTD:
-            plane = np.frombuffer(_zstd_decode(payload, n), dtype=np.uint8)
         else:
-            raise CodecError(f"byte plane {i} has unknown mode {mode}")
+            plane = np.frombuffer(_zstd_decode(payload, n), dtype=np.uint8)
         grid[:, i] = plane
-    if pos != len(view):
-        raise CodecError(f"{len(view) - pos} trailing bytes after the byte planes")
     return result

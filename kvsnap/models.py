@@ -11,6 +11,7 @@ digest of the weight files (cached beside them, keyed by size and mtime) and the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -159,7 +160,8 @@ def convert_gguf(gguf: Path, folder: Path, *, progress: Progress = _noop) -> Pat
         progress(f"converting {gguf.name} (one time): reading the tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         progress(f"converting {gguf.name} (one time): dequantizing the weights (~20 s)")
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        with _gguf_progress(lambda done, total: progress(f"converting {gguf.name} (one time): {done}/{total} tensors")):
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         progress(f"converting {gguf.name} (one time): writing safetensors")
         _save_dequantized(model, tmp)
         tokenizer.save_pretrained(tmp)
@@ -174,6 +176,30 @@ def convert_gguf(gguf: Path, folder: Path, *, progress: Progress = _noop) -> Pat
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+@contextlib.contextmanager
+def _gguf_progress(report: Callable[[int, int], None]):
+    """Route transformers' GGUF dequantization loop (a bare tqdm bar on stderr) to ``report``."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(gguf_utils, "tqdm", None)
+
+    def counted(items, *args, **kwargs):
+        items = list(items)
+        for i, item in enumerate(items, start=1):
+            yield item
+            if i % 16 == 0 or i == len(items):
+                report(i, len(items))
+
+    gguf_utils.tqdm = counted
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
 
 
 def _save_dequantized(model, folder: Path) -> None:

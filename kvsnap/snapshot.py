@@ -594,6 +594,10 @@ def _meta_from_dict(raw: dict[str, Any]) -> SnapshotMeta:
             raise SnapshotError(f"block {i} declares {raw_bytes} raw bytes, expected {n * layout.bytes_per_token}")
         # No codec output may exceed its input by more than a small header: bounds decompression input too.
         stored = _int(b["stored_bytes"], f"blocks[{i}].stored_bytes", 0, raw_bytes + 4096)
+        # ... and the raw size by what the stored bytes can decode to: a small file cannot make a reader
+        # allocate gigabytes (decode and the threads' scratch buffers are sized by raw_bytes).
+        if raw_bytes > codecs.max_decoded_size(codec, stored):
+            raise SnapshotError(f"block {i} declares {raw_bytes} raw bytes, more than {stored} stored bytes can hold")
         h = b["hash"]
         if full != (h is not None):
             raise SnapshotError(f"block {i} hash presence is inconsistent with its size")
