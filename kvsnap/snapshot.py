@@ -224,7 +224,7 @@ def write_snapshot(
 
 def _atomic_write(path: Path, parts: list[bytes | memoryview]) -> int:
     folder = path.parent if str(path.parent) else Path(".")
-    with _locked(folder / f".{path.name}.lock"):
+    with _locked(folder):
         # Under the lock no other writer is active: any temp file of this target is a crash's leftover.
         remove_stale_temps(path)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
@@ -259,14 +259,22 @@ def _fsync_dir(folder: Path) -> None:
 
 
 @contextlib.contextmanager
-def _locked(lock_path: Path):
-    """An exclusive advisory lock (fcntl) serialising writers of one snapshot path."""
+def _locked(folder: Path):
+    """An exclusive advisory lock (fcntl) on the folder: writers into it take turns.
+
+    Locking the folder rather than a sidecar file leaves nothing behind; saves are short, so
+    writers of other files in the same folder waiting a moment costs little.
+    """
     try:
         import fcntl
     except ImportError:  # no fcntl (Windows): atomic rename still keeps every file whole
         yield
         return
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        yield  # an unreadable folder cannot be locked; the rename still keeps files whole
+        return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield

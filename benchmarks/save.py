@@ -1,0 +1,65 @@
+"""Autosave cost per chat turn at 1k, 2k and 4k tokens of history: a full first save vs the
+incremental save after one more turn (only the new blocks are compressed).
+
+    .venv/bin/python benchmarks/save.py [--history 1024 2048 4096] [--turn 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import document, machine, table, write_json  # noqa: E402
+from kvsnap.models import load_model  # noqa: E402
+from kvsnap.session import Session  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--history", type=int, nargs="+", default=[1024, 2048, 4096])
+    parser.add_argument("--turn", type=int, default=48, help="tokens one turn adds (question + answer)")
+    parser.add_argument("--model", default="smollm2-135m")
+    args = parser.parse_args()
+    lm = load_model(args.model)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "chat.kv"
+        for n in args.history:
+            ids = document(lm.tokenizer, n + args.turn, seed=n)
+            session = Session(lm)
+            session.prefill(ids[:n])
+            first = session.save(path)
+            session.prefill(ids)  # one more turn
+            t0 = time.perf_counter()
+            again = session.save(path)
+            incremental = time.perf_counter() - t0
+            rows.append(
+                {
+                    "history": n,
+                    "first_save_s": first.seconds,
+                    "turn_save_s": incremental,
+                    "blocks": again.blocks,
+                    "new_blocks": again.blocks_encoded,
+                    "file_mb": again.file_bytes / 1e6,
+                }
+            )
+    cols = [
+        ("history", "history tokens", "d"),
+        ("first_save_s", "first save s", ".3f"),
+        ("turn_save_s", "save after a turn s", ".3f"),
+        ("blocks", "blocks", "d"),
+        ("new_blocks", "blocks encoded", "d"),
+        ("file_mb", "file MB", ".1f"),
+    ]
+    print(f"autosave after a {args.turn}-token turn, {args.model}, {lm.device}, {lm.layout.dtype}")
+    print(table(rows, cols))
+    print(f"wrote {write_json('save', {'machine': machine(), 'turn': args.turn, 'rows': rows})}")
+
+
+if __name__ == "__main__":
+    main()
