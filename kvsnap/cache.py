@@ -71,6 +71,26 @@ class BufferedLayer(DynamicLayer):
         self.values = values_buf[:, :, :length]
 
 
+def reserve(cache: DynamicCache, capacity: int, layout: KVLayout, device: torch.device) -> None:
+    """Give every layer room for ``capacity`` tokens now, so a long prefill never regrows (and
+    briefly doubles) its buffers chunk after chunk."""
+    dtype = TORCH_DTYPES[layout.dtype]
+    for layer in cache.layers:
+        if not isinstance(layer, BufferedLayer):
+            continue
+        have = layer._kbuf.shape[-2] if layer._kbuf is not None else 0
+        if have >= capacity:
+            continue
+        length = layer.keys.shape[-2] if layer.is_initialized and layer.keys.dim() == 4 else 0
+        shape = (1, layout.num_kv_heads, capacity, layout.head_dim)
+        kbuf = torch.empty(shape, dtype=dtype, device=device)
+        vbuf = torch.empty(shape, dtype=dtype, device=device)
+        if length:
+            kbuf[:, :, :length].copy_(layer.keys)
+            vbuf[:, :, :length].copy_(layer.values)
+        layer.attach(kbuf, vbuf, length)
+
+
 def new_cache(config) -> DynamicCache:
     """An empty cache for ``config`` whose layers append in place (``check_supported`` configs only)."""
     cache = DynamicCache(config=config)

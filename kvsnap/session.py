@@ -214,6 +214,8 @@ class Session:
         plan = prefix.plan_prefill(len(prompt), hit, self.chunk_size, logits_at_hit=logits_at_hit)
         self._truncate(plan.hit_tokens)
         self.pending = []
+        if plan.chunks:
+            kvcache.reserve(self.cache, len(prompt) + _DECODE_ROOM, self.lm.layout, self.lm.device)
         seen0 = self.runner.tokens_seen
         try:
             logits = self.runner.prefill(self.cache, prompt, plan.chunks, on_progress)
