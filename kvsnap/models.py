@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -271,15 +271,24 @@ def config_digest(config_dict: dict[str, Any]) -> str:
     return hashlib.blake2b(json.dumps(clean, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
 
 
+def fingerprint_parts(folder: Path, config_dict: dict[str, Any], kv_dtype: str) -> dict[str, str]:
+    """The digests that make up a fingerprint, kept apart so a refusal can say which one differs."""
+    return {
+        "config": config_digest(config_dict),
+        "tokenizer": tokenizer_digest(folder),
+        "weights": weights_digest(folder),
+        "kv_dtype": kv_dtype,
+    }
+
+
 def fingerprint(folder: Path, config_dict: dict[str, Any], kv_dtype: str) -> str:
     """What changes the KV: config (RoPE included), tokenizer, weights and the cache dtype."""
-    parts = [
-        "config:" + config_digest(config_dict),
-        "tokenizer:" + tokenizer_digest(folder),
-        "weights:" + weights_digest(folder),
-        "kv_dtype:" + kv_dtype,
-    ]
-    return hashlib.blake2b("|".join(parts).encode(), digest_size=16).hexdigest()
+    return fingerprint_of(fingerprint_parts(folder, config_dict, kv_dtype))
+
+
+def fingerprint_of(parts: dict[str, str]) -> str:
+    text = "|".join(f"{k}:{parts[k]}" for k in ("config", "tokenizer", "weights", "kv_dtype"))
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,6 +338,7 @@ class LoadedModel:
     layout: Any  # snapshot.KVLayout
     cache_kwarg: str
     eos_token_ids: frozenset[int]
+    fingerprint_parts: dict[str, str] = field(default_factory=dict)
 
     @property
     def kv_dtype(self) -> str:
@@ -377,6 +387,7 @@ def load_model(
     model.to(dev).eval()
     tokenizer = load_tokenizer(folder)
     layout = cache.layout_of(config, torch_dtype)
+    parts = fingerprint_parts(folder, config.to_dict(), layout.dtype)
     eos = set()
     for source in (getattr(model, "generation_config", None), config, tokenizer):
         value = getattr(source, "eos_token_id", None)
@@ -392,7 +403,8 @@ def load_model(
         config=config,
         device=dev,
         dtype=torch_dtype,
-        fingerprint=fingerprint(folder, config.to_dict(), layout.dtype),
+        fingerprint=fingerprint_of(parts),
+        fingerprint_parts=parts,
         layout=layout,
         cache_kwarg=cache.forward_cache_kwarg(model),
         eos_token_ids=frozenset(eos),

@@ -162,7 +162,13 @@ class Session:
         with Snapshot(path) as snap:
             meta = snap.meta
             root = self.root(meta.block_size)
-            snap.check_compatible(model=self.lm.name, fingerprint=self.lm.fingerprint, root=root, layout=self.lm.layout)
+            snap.check_compatible(
+                model=self.lm.name,
+                fingerprint=self.lm.fingerprint,
+                root=root,
+                layout=self.lm.layout,
+                fingerprint_parts=self.lm.fingerprint_parts,
+            )
             if prompt_ids is None:
                 hit = meta.num_tokens
             else:
@@ -395,6 +401,7 @@ class Session:
             blocks=final,
             last_logits=logits,
             messages=self.messages,
+            fingerprint_parts=self.lm.fingerprint_parts,
         )
         self._encoded = {b.hash: b for b in final if b.hash is not None}
         return SaveStats(

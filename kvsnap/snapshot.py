@@ -109,6 +109,7 @@ class SnapshotMeta:
     messages: tuple[dict[str, str], ...] | None
     created_at: float
     extra: dict[str, Any] = field(default_factory=dict)
+    fingerprint_parts: dict[str, str] = field(default_factory=dict)
 
     @property
     def kv_bytes(self) -> int:
@@ -154,6 +155,7 @@ def write_snapshot(
     last_logits: np.ndarray | None = None,
     messages: Sequence[dict[str, str]] | None = None,
     extra: dict[str, Any] | None = None,
+    fingerprint_parts: dict[str, str] | None = None,
 ) -> int:
     """Write a snapshot atomically; returns the file size.
 
@@ -200,6 +202,9 @@ def write_snapshot(
         "created_at": time.time(),
         "extra": extra or {},
     }
+    if fingerprint_parts:
+        # Config, tokenizer, weights and KV dtype digests: lets a refusal say which one differs.
+        meta["fingerprint_parts"] = dict(fingerprint_parts)
     # ASCII JSON: chat text with lone surrogates (from odd terminals) still makes a valid file.
     meta_json = json.dumps(meta, separators=(",", ":"), ensure_ascii=True)
     header: dict[str, Any] = {"__metadata__": {"kvsnap": meta_json, "kvsnap_checksum": checksum(meta_json.encode())}}
@@ -505,17 +510,38 @@ class Snapshot:
             problems.append(str(exc))
         return problems
 
-    def check_compatible(self, *, model: str, fingerprint: str, root: bytes, layout: KVLayout) -> None:
-        """Refuse a snapshot written for another model, dtype, block size or namespace."""
+    def check_compatible(
+        self,
+        *,
+        model: str,
+        fingerprint: str,
+        root: bytes,
+        layout: KVLayout,
+        fingerprint_parts: dict[str, str] | None = None,
+    ) -> None:
+        """Refuse a snapshot written for another model, dtype or namespace, saying which differs."""
         m = self.meta
         if m.layout != layout:
             raise ForeignSnapshotError(
                 f"{self.path}: written for a cache of {_layout_str(m.layout)}, this model has {_layout_str(layout)}"
             )
         if m.fingerprint != fingerprint:
+            ours = fingerprint_parts or {}
+            differ = [
+                k
+                for k in ("weights", "tokenizer", "config", "kv_dtype")
+                if k in ours and k in m.fingerprint_parts and ours[k] != m.fingerprint_parts[k]
+            ]
+            what = {
+                "weights": "weights",
+                "tokenizer": "tokenizer",
+                "config": "config (architecture, RoPE, ...)",
+                "kv_dtype": "KV dtype",
+            }
+            why = f"different {', '.join(what[k] for k in differ)}; " if differ else ""
             raise ForeignSnapshotError(
-                f"{self.path}: written for another model ({m.model}, fingerprint {m.fingerprint[:12]}); "
-                f"this is {model} ({fingerprint[:12]})"
+                f"{self.path}: written for another model ({why}{m.model}, fingerprint {m.fingerprint[:12]}; "
+                f"this is {model}, {fingerprint[:12]})"
             )
         if m.root != root:
             raise ForeignSnapshotError(f"{self.path}: written with another namespace or block size ({m.block_size})")
@@ -645,4 +671,13 @@ def _meta_from_dict(raw: dict[str, Any]) -> SnapshotMeta:
         messages=messages,
         created_at=float(created) if isinstance(created, (int, float)) else 0.0,
         extra=extra,
+        fingerprint_parts=_parts(raw.get("fingerprint_parts")),
     )
+
+
+def _parts(value: Any) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > 16:
+        raise SnapshotError("metadata field fingerprint_parts is malformed")
+    return {_str(k, "fingerprint_parts"): _str(v, "fingerprint_parts") for k, v in value.items()}

@@ -358,3 +358,66 @@ def test_sigkill_during_save_never_leaves_a_broken_snapshot(big_model, tmp_path,
     assert outcomes["killed_mid_save"] >= 6
     subprocess.run([*base, "--prompt", "x", "--save", str(target)], check=True, cwd=ROOT, env=env, capture_output=True)
     assert temps(tmp_path) == []  # the next save swept up what the kills left
+
+
+# ---------------------------------------------------------------------------------------------
+# Foreign snapshots say what differs
+
+
+def _variant(src: Path, dst: Path, kind: str) -> Path:
+    import shutil
+
+    from tiny_models import perturbed_copy
+
+    if kind == "weights":
+        return perturbed_copy(src, dst)
+    shutil.copytree(src, dst)
+    if kind == "tokenizer":
+        cfg = json.loads((dst / "tokenizer_config.json").read_text())
+        cfg["model_max_length"] = 1234  # any change to the tokenizer files is another tokenizer
+        (dst / "tokenizer_config.json").write_text(json.dumps(cfg))
+    elif kind == "config":
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg.setdefault("rope_parameters", {})["rope_theta"] = 1234.0
+        cfg.pop("rope_theta", None)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("kind", ["weights", "tokenizer", "config"])
+def test_foreign_snapshot_refusal_names_what_differs(tiny_model_dir, llama, tmp_path, kind):
+    from kvsnap.errors import ForeignSnapshotError
+    from kvsnap.models import load_model
+
+    session = Session(llama, block_size=8)
+    session.prefill(list(range(1, 30)))
+    path = tmp_path / "a.kv"
+    session.save(path)
+    other = load_model(str(_variant(tiny_model_dir("llama"), tmp_path / kind, kind)), device="cpu")
+    assert other.fingerprint != llama.fingerprint
+    with pytest.raises(ForeignSnapshotError, match=f"different {kind}"):
+        Session(other, block_size=8).restore(path, list(range(1, 30)))
+
+
+def test_snapshot_in_another_dtype_or_version_is_refused_with_the_reason(tiny_lm, llama, tmp_path):
+    from kvsnap.errors import ForeignSnapshotError
+
+    session = Session(llama, block_size=8)
+    session.prefill(list(range(1, 30)))
+    path = tmp_path / "a.kv"
+    session.save(path)
+    with pytest.raises(ForeignSnapshotError, match="float32.*bfloat16"):
+        Session(tiny_lm("llama", "bfloat16"), block_size=8).restore(path)
+
+
+def test_snapshot_with_another_block_size_is_read_with_its_own(llama, tmp_path):
+    """Not a refusal: the file's block size keys its own chain, so the session matches with it."""
+    prompt = list(range(1, 40))
+    writer = Session(llama, block_size=8)
+    writer.prefill(prompt[:30])
+    path = tmp_path / "a.kv"
+    writer.save(path)
+    reader = Session(llama, block_size=16)
+    stats = reader.restore(path, prompt)
+    assert stats.hit_tokens == 30 and reader.tokens == prompt[:30]
+    assert reader.save(tmp_path / "b.kv").blocks_encoded == 2  # re-keyed in its own block size
