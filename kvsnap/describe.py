@@ -108,13 +108,8 @@ def describe(
             match = prefix.match_prefix(prompt_ids, snap.tokens, meta.block_hashes, meta.block_size, meta.root)
             whole = match.hit_tokens == meta.num_tokens and meta.logits_checksum is not None
             plan = prefix.plan_prefill(len(prompt_ids), match.hit_tokens, chunk_size, logits_at_hit=whole)
-            ledger = prefix.Ledger.of(plan)
             info.update(
-                prompt_tokens=ledger.prompt_tokens,
-                hit_tokens=ledger.hit_tokens,
-                prefill_tokens=ledger.prefill_tokens,
-                reuse_ratio=ledger.reuse_ratio,
-                chunks=ledger.chunks,
+                prefix.Ledger.of(plan).as_dict(),
                 chunk_sizes=plan.chunk_sizes,
                 blocks_to_read=match.num_blocks,
                 logits_source=plan.logits_source,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvsnap.errors import ConfigError, KvsnapError
+from kvsnap.snapshot import chat_messages
 
 if TYPE_CHECKING:  # runner imports torch; reading jobs and prompt files must not
     from kvsnap.runner import SamplingParams
@@ -68,14 +69,9 @@ def job_from_dict(raw: Any, default_id: Any) -> Job:
     for key in ("prompt", "prompt_file", "resume", "save", "system"):
         if raw.get(key) is not None and not isinstance(raw[key], str):
             raise ConfigError(f'"{key}" must be a string')
-    messages = raw.get("messages")
-    if messages is not None:
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages
-        ):
-            raise ConfigError('"messages" must be a list of {"role", "content"} objects')
-        messages = tuple({"role": m["role"], "content": m["content"]} for m in messages)
+    messages = chat_messages(raw.get("messages"))
+    if messages is False:
+        raise ConfigError('"messages" must be a list of {"role", "content"} objects')
     overrides = []
     for key in _SAMPLING_FIELDS:
         if raw.get(key) is not None:

@@ -69,6 +69,15 @@ class Ledger:
     reuse_ratio: float
     chunks: int
 
+    def as_dict(self) -> dict[str, int | float]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "hit_tokens": self.hit_tokens,
+            "prefill_tokens": self.prefill_tokens,
+            "reuse_ratio": self.reuse_ratio,
+            "chunks": self.chunks,
+        }
+
     @classmethod
     def of(cls, plan: PrefillPlan, prefill_tokens: int | None = None) -> Ledger:
         """``prefill_tokens`` defaults to the plan's; the runner passes the count its forward really saw."""

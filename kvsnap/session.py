@@ -296,14 +296,9 @@ class Session:
         t2 = time.perf_counter()
         gen = self.generate(params, on_text) if params.max_new_tokens > 0 else None
         t3 = time.perf_counter()
-        ledger = prefix.Ledger.of(plan, seen)
         first = gen.first_token_at if gen is not None else None
         return TurnResult(
-            prompt_tokens=ledger.prompt_tokens,
-            hit_tokens=ledger.hit_tokens,
-            prefill_tokens=ledger.prefill_tokens,
-            reuse_ratio=ledger.reuse_ratio,
-            chunks=ledger.chunks,
+            **prefix.Ledger.of(plan, seen).as_dict(),
             logits_source=plan.logits_source,
             text=gen.text if gen is not None else "",
             new_tokens=len(gen.token_ids) if gen is not None else 0,

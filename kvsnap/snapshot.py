@@ -584,6 +584,17 @@ def _parse_meta(header_meta: dict[str, str] | None) -> SnapshotMeta:
         raise SnapshotError(f"metadata is malformed ({type(exc).__name__}: {_one_line(exc)})") from None
 
 
+def chat_messages(value: Any) -> tuple[dict[str, str], ...] | None | bool:
+    """``value`` as a tuple of ``{"role", "content"}`` string dicts; None if absent, False if malformed."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+    ):
+        return False
+    return tuple({"role": m["role"], "content": m["content"]} for m in value)
+
+
 def _int(value: Any, name: str, lo: int, hi: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
         raise SnapshotError(f"metadata field {name} is {value!r}, expected an integer in [{lo}, {hi}]")
@@ -639,14 +650,9 @@ def _meta_from_dict(raw: dict[str, Any]) -> SnapshotMeta:
         if hash_ is not None and len(hash_) != hashing.DIGEST_SIZE:
             raise SnapshotError(f"block {i} hash has the wrong length")
         blocks.append(BlockInfo(i, n, hash_, raw_bytes, stored, _str(b["checksum"], "checksum")))
-    messages = raw.get("messages")
-    if messages is not None:
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages
-        ):
-            raise SnapshotError("chat messages are malformed")
-        messages = tuple({"role": m["role"], "content": m["content"]} for m in messages)
+    messages = chat_messages(raw.get("messages"))
+    if messages is False:
+        raise SnapshotError("chat messages are malformed")
     root = bytes.fromhex(_str(raw["root"], "root"))
     logits_checksum = raw.get("logits_checksum")
     if logits_checksum is not None:
