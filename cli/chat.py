@@ -51,12 +51,17 @@ def chat(
     Reads one message per line. When stdin is not a terminal (a pipe or a file), each line is a
     user message and /exit or end of input ends the chat.
     """
+    from kvsnap.codec import CODECS
     from kvsnap.errors import ConfigError, SnapshotError
+    from kvsnap.jobs import check_save_target
     from kvsnap.runner import SamplingParams
     from kvsnap.session import Session
 
     if on_mismatch not in ("ask", "error", "recompute"):
         raise ConfigError(f"--on-mismatch must be ask, error or recompute, not {on_mismatch!r}")
+    if codec not in CODECS:
+        raise ConfigError(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
+    check_save_target(save or resume)
 
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     lm = ui.load_model(model, device, dtype)
@@ -104,14 +109,20 @@ def chat(
             if not _command(text, session, autosave, system):
                 break
             continue
-        with ui.prefill_progress() as progress:
-            result = session.chat(text, params, system=system, on_text=ui.emit, on_progress=progress)
+        try:
+            with ui.prefill_progress() as progress:
+                result = session.chat(text, params, system=system, on_text=ui.emit, on_progress=progress)
+        except KeyboardInterrupt:
+            # Interrupted while reading the message in: the session is as it was before it.
+            ui.emit("\n")
+            ui.note("(interrupted before the answer; the message was not added)")
+            continue
         ui.emit("\n")
         if result.stop_reason == "interrupted":
             ui.note("(answer interrupted; the session keeps what was generated)")
         ui.note(ui.turn_stats(result))
         if autosave is not None:
-            ui.note(ui.save_line(session.save(autosave)))
+            _save(session, autosave)
 
 
 def _refused(exc: Exception, policy: str, interactive: bool, autosave: Path | None) -> None:
@@ -119,13 +130,26 @@ def _refused(exc: Exception, policy: str, interactive: bool, autosave: Path | No
     if policy == "ask" and interactive:
         ui.error(str(exc))
         where = f"; the next autosave replaces {autosave}" if autosave is not None else ""
-        answer = input(f"start a new conversation instead{where}? [y/N] ").strip().lower()
+        try:
+            answer = input(f"start a new conversation instead{where}? [y/N] ").strip().lower()
+        except (EOFError, KeyboardInterrupt):
+            answer = ""
         if answer not in ("y", "yes"):
             raise typer.Exit(1)
     elif policy != "recompute":
         raise exc
     else:
         ui.error(f"{exc} (starting a new conversation)")
+
+
+def _save(session, target: Path) -> None:
+    """Save, and on failure say why and keep chatting: the conversation is still in memory."""
+    from kvsnap.errors import KvsnapError
+
+    try:
+        ui.note(ui.save_line(session.save(target)))
+    except KvsnapError as exc:
+        ui.error(f"{exc} (the conversation is kept; /save FILE to save elsewhere)")
 
 
 def _command(text: str, session, autosave: Path | None, system: str | None) -> bool:
@@ -137,11 +161,11 @@ def _command(text: str, session, autosave: Path | None, system: str | None) -> b
     if name == "/help":
         ui.note(HELP)
     elif name == "/save":
-        target = Path(arg) if arg else autosave
+        target = Path(arg).expanduser() if arg else autosave
         if target is None:
             ui.error("/save needs a file name (no autosave file was given)")
         else:
-            ui.note(ui.save_line(session.save(target)))
+            _save(session, target)
     elif name == "/stats":
         layout = session.lm.layout
         turns = sum(1 for m in (session.messages or []) if m["role"] == "user")

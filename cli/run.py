@@ -54,8 +54,9 @@ def run(
 
       kvsnap run --prompt-file doc.txt --prompt "Q: who wrote it? A:" --resume doc.kv --json
     """
+    from kvsnap.codec import CODECS
     from kvsnap.errors import ConfigError, KvsnapError
-    from kvsnap.jobs import Job, error_row, parse_jobs, run_job
+    from kvsnap.jobs import Job, check_save_target, error_row, parse_jobs, run_job
     from kvsnap.runner import SamplingParams
     from kvsnap.session import Session
 
@@ -63,6 +64,13 @@ def run(
         raise ConfigError("give --prompt, --prompt-file or --batch (see kvsnap run --help)")
     if batch is not None and (prompt is not None or prompt_file is not None):
         raise ConfigError("--batch cannot be combined with --prompt or --prompt-file")
+    if batch is not None and (save is not None or chat or system is not None):
+        raise ConfigError('with --batch, give "save", "chat" and "system" per job in the JSONL file')
+    if codec not in CODECS:
+        raise ConfigError(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
+    if on_mismatch not in ("error", "recompute"):
+        raise ConfigError(f"--on-mismatch must be error or recompute, not {on_mismatch!r}")
+    check_save_target(save)
     defaults = SamplingParams(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -101,7 +109,7 @@ def run(
         return
 
     failed = 0
-    for item in parse_jobs(lines):
+    for item in parse_jobs(lines, defaults):
         if isinstance(item, tuple):
             failed += 1
             ui.print_json(error_row(*item))

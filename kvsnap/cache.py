@@ -180,10 +180,9 @@ class Restorer:
         use = min(block_tokens, self.num_tokens - start)
         if use <= 0:
             return
-        with warnings.catch_warnings():
-            # torch warns that read-only buffers give read-only tensors; we only read from them.
-            warnings.simplefilter("ignore", UserWarning)
-            src = torch.frombuffer(raw, dtype=torch.uint8, count=block_tokens * self.layout.bytes_per_token)
+        # Runs in reader threads: no warnings.catch_warnings() here (it is not thread-safe); the
+        # readers hand in writable scratch buffers, so torch has nothing to warn about.
+        src = torch.frombuffer(raw, dtype=torch.uint8, count=block_tokens * self.layout.bytes_per_token)
         src = src.view(self.dtype).view(L, 2, H, block_tokens, D)
         self.staging[:, :, :, start : start + use].copy_(src[:, :, :, :use])
 
@@ -191,7 +190,8 @@ class Restorer:
         if self.buf is None:
             L, H, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim
             self.buf = torch.empty((L, 2, H, self.capacity, D), dtype=self.dtype, device=self.device)
-            self.buf[:, :, :, : self.num_tokens].copy_(self.staging, non_blocking=True)
+            # Non-blocking only from pinned memory: otherwise the staging buffer could be freed mid-copy.
+            self.buf[:, :, :, : self.num_tokens].copy_(self.staging, non_blocking=self.staging.is_pinned())
         return cache_from_buffer(config, self.buf, self.num_tokens)
 
 
@@ -212,11 +212,13 @@ def restore_cache(
     """
     restorer = Restorer(layout, num_tokens, device, capacity)
     pos = 0
-    for raw, n in zip(blocks, block_tokens):
-        if pos >= num_tokens:
-            break
-        restorer.write(pos, n, raw)
-        pos += n
+    with warnings.catch_warnings():  # one thread here: read-only bytes make torch warn, harmlessly
+        warnings.simplefilter("ignore", UserWarning)
+        for raw, n in zip(blocks, block_tokens):
+            if pos >= num_tokens:
+                break
+            restorer.write(pos, n, raw)
+            pos += n
     if min(pos, num_tokens) != num_tokens:
         raise AssertionError(f"blocks cover {pos} tokens, expected {num_tokens}")
     return restorer.finish(config)

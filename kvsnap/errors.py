@@ -23,6 +23,13 @@ class ForeignSnapshotError(SnapshotError):
     """The snapshot was written for another model, dtype, block size or namespace."""
 
 
+class SaveError(KvsnapError, OSError):
+    """A snapshot could not be written (missing folder, no space, permissions). The previous file is intact.
+
+    Also an ``OSError``, so code that handles I/O errors generically still sees it as one.
+    """
+
+
 class ModelError(KvsnapError):
     """A model cannot be found, installed, converted or is not supported."""
 

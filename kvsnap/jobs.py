@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,15 +77,21 @@ def job_from_dict(raw: Any, default_id: Any) -> Job:
     for key in _SAMPLING_FIELDS:
         if raw.get(key) is not None:
             value = raw[key]
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(f'"{key}" must be a number')
-            overrides.append((key, int(value) if key in ("max_new_tokens", "top_k", "seed") else float(value)))
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f'"{key}" must be a finite number')
+            if key in ("max_new_tokens", "top_k", "seed"):
+                if value != int(value):
+                    raise ConfigError(f'"{key}" must be a whole number')
+                value = int(value)
+            overrides.append((key, float(value) if key in ("temperature", "top_p") else value))
+    if not isinstance(raw.get("chat", False), bool):
+        raise ConfigError('"chat" must be true or false')
     return Job(
         id=raw.get("id", default_id),
         prompt=raw.get("prompt"),
         prompt_file=raw.get("prompt_file"),
         messages=messages,
-        chat=bool(raw.get("chat", False)),
+        chat=raw.get("chat", False),
         system=raw.get("system"),
         resume=raw.get("resume"),
         save=raw.get("save"),
@@ -92,18 +99,20 @@ def job_from_dict(raw: Any, default_id: Any) -> Job:
     )
 
 
-def parse_jobs(lines: Iterable[str]) -> Iterator[Job | tuple[Any, str]]:
+def parse_jobs(lines: Iterable[str], defaults: SamplingParams) -> Iterator[Job | tuple[Any, str]]:
     """Jobs in input order; a bad line yields ``(id, error message)`` instead of stopping the batch."""
     for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             raw = json.loads(line)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             yield (n, f"line {n}: not valid JSON ({exc})")
             continue
         try:
-            yield job_from_dict(raw, default_id=n)
+            job = job_from_dict(raw, default_id=n)
+            job.params(defaults)  # sampling settings are checked here, not half way through the batch
+            yield job
         except ConfigError as exc:
             yield (raw.get("id", n) if isinstance(raw, dict) else n, f"line {n}: {exc}")
 
@@ -142,6 +151,15 @@ def run_job(
         saved = session.save(job.save)
         row["saved"] = {"path": saved.path, "tokens": saved.tokens, "file_bytes": saved.file_bytes}
     return row
+
+
+def check_save_target(path: str | Path | None) -> None:
+    """Fail before any work if a save could not even start (its folder is missing)."""
+    if path is None:
+        return
+    folder = Path(path).expanduser().resolve().parent
+    if not folder.is_dir():
+        raise ConfigError(f"{path}: cannot save there, folder {folder} does not exist")
 
 
 def error_row(job_id: Any, exc: KvsnapError | str) -> dict[str, Any]:

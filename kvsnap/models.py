@@ -150,11 +150,21 @@ def _from_hf_cache(repo_id: str) -> Path:
 
 def convert_gguf(gguf: Path, folder: Path, *, progress: Progress = _noop) -> Path:
     """Dequantize a GGUF model once into a safetensors folder (atomic: a ready marker is written last)."""
+    _quiet_transformers()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with _models_lock(folder.parent):
+        # Another process may have converted it while we waited for the lock.
+        if is_ready(folder):
+            return folder
+        for stale in folder.parent.glob(f".{folder.name}.*"):
+            shutil.rmtree(stale, ignore_errors=True)  # left by a conversion that was killed
+        return _convert_locked(gguf, folder, progress)
+
+
+def _convert_locked(gguf: Path, folder: Path, progress: Progress) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _quiet_transformers()
-    folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         progress(f"converting {gguf.name} (one time): reading the tokenizer")
@@ -176,6 +186,22 @@ def convert_gguf(gguf: Path, folder: Path, *, progress: Progress = _noop) -> Pat
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+@contextlib.contextmanager
+def _models_lock(folder: Path):
+    """Serialise conversions into one models folder (two first runs at once must not collide)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -266,6 +292,18 @@ def tokenizer_digest(folder: Path) -> str:
     return h.hexdigest()
 
 
+def _config_file(folder: Path) -> dict[str, Any]:
+    """The model's config.json as written: ``config.to_dict()`` adds class defaults that move with
+    the transformers version and would make every snapshot look foreign after an upgrade."""
+    try:
+        data = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot read {folder / 'config.json'}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ModelError(f"{folder / 'config.json'} is not a JSON object")
+    return data
+
+
 def config_digest(config_dict: dict[str, Any]) -> str:
     clean = {k: v for k, v in config_dict.items() if k not in _VOLATILE_CONFIG}
     return hashlib.blake2b(json.dumps(clean, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
@@ -308,8 +346,15 @@ def resolve_device(device: str = "auto"):
         dev = torch.device(device)
     except RuntimeError:
         raise ConfigError(f"unknown device {device!r} (auto, cpu, cuda, cuda:N, mps)") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device cuda requested but no CUDA GPU is available")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device cuda requested but no CUDA GPU is available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {device} requested but there are {torch.cuda.device_count()} CUDA GPUs")
+    elif dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ConfigError("device mps requested but MPS is not available")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"unsupported device {device!r} (auto, cpu, cuda, cuda:N, mps)")
     return dev
 
 
@@ -384,10 +429,13 @@ def load_model(
         )
     except Exception as exc:
         raise ModelError(f"cannot load the model in {folder}: {exc}") from None
-    model.to(dev).eval()
+    try:
+        model.to(dev).eval()
+    except (RuntimeError, MemoryError) as exc:
+        raise ModelError(f"cannot place {spec} on {dev}: {str(exc).splitlines()[0] if str(exc) else exc}") from None
     tokenizer = load_tokenizer(folder)
     layout = cache.layout_of(config, torch_dtype)
-    parts = fingerprint_parts(folder, config.to_dict(), layout.dtype)
+    parts = fingerprint_parts(folder, _config_file(folder), layout.dtype)
     eos = set()
     for source in (getattr(model, "generation_config", None), config, tokenizer):
         value = getattr(source, "eos_token_id", None)

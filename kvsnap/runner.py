@@ -7,6 +7,7 @@ measured, not inferred from a plan.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -31,12 +32,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
             raise ConfigError("max_new_tokens must be >= 0")
-        if self.temperature < 0:
-            raise ConfigError("temperature must be >= 0")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ConfigError("temperature must be a finite number >= 0")
         if self.top_k < 0:
             raise ConfigError("top_k must be >= 0")
-        if not 0 < self.top_p <= 1:
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ConfigError("top_p must be in (0, 1]")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ConfigError("seed must be in [0, 2**63)")
 
     @property
     def greedy(self) -> bool:

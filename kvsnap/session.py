@@ -27,7 +27,7 @@ from kvsnap import hashing, prefix
 from kvsnap.errors import ConfigError, SnapshotError
 from kvsnap.models import LoadedModel
 from kvsnap.runner import Generation, Runner, SamplingParams, generate
-from kvsnap.snapshot import EncodedBlock, Snapshot, checksum, encode_block, write_snapshot
+from kvsnap.snapshot import EncodedBlock, Snapshot, encode_block, write_snapshot
 
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_CHUNK_SIZE = 512
@@ -360,11 +360,7 @@ class Session:
             start, end = i * bs, min((i + 1) * bs, n)
             h = hashes[i] if i < len(hashes) else None
             cached = self._encoded.get(h) if h is not None else None
-            if (
-                cached is not None
-                and isinstance(cached.stored, memoryview)
-                and checksum(cached.stored) != cached.checksum
-            ):
+            if cached is not None and cached.origin is not None and not cached.still_valid():
                 cached = None  # a view of a file someone changed in place since it was read: encode afresh
             blocks.append(cached)
             if cached is None:

@@ -38,13 +38,17 @@ from safetensors import safe_open
 
 from kvsnap import codec as codecs
 from kvsnap import hashing
-from kvsnap.errors import ForeignSnapshotError, SnapshotError, SnapshotVersionError
+from kvsnap.errors import ForeignSnapshotError, SaveError, SnapshotError, SnapshotVersionError
 
 FORMAT_VERSION = 1
 READABLE_VERSIONS = (1,)
 KV_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _MAX_TOKENS = 1 << 26
 _MAX_LAYOUT_DIM = 1 << 16
+# Absolute bounds on what one block may claim, whatever the codec's ratio allows: a few hostile
+# bytes must not make a reader zero-fill gigabytes.
+_MAX_BLOCK_SIZE = 1 << 16
+_MAX_BLOCK_BYTES = 1 << 30
 _DECODE_WORKERS = max(1, min(8, os.cpu_count() or 1))
 
 
@@ -80,6 +84,22 @@ class EncodedBlock:
     raw_bytes: int
     stored: bytes | memoryview  # a view of the file it was read from, or fresh bytes
     checksum: str
+    origin: Any = field(default=None, compare=False, repr=False)  # (mmap, size) when ``stored`` views a mapped file
+
+    def still_valid(self) -> bool:
+        """Whether ``stored`` can still be read and is what it was.
+
+        A view of a file that someone truncated in place would fault (SIGBUS) when touched, so
+        the mapped file's size is checked first; then the checksum catches same-size edits.
+        """
+        if self.origin is not None:
+            mm, size = self.origin
+            try:
+                if mm.closed or mm.size() < size:
+                    return False
+            except (OSError, ValueError):
+                return False
+        return checksum(self.stored) == self.checksum
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,24 +248,40 @@ def write_snapshot(
 
 
 def _atomic_write(path: Path, parts: list[bytes | memoryview]) -> int:
-    folder = path.parent if str(path.parent) else Path(".")
-    with _locked(folder):
-        # Under the lock no other writer is active: any temp file of this target is a crash's leftover.
-        remove_stale_temps(path)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                for part in parts:
-                    f.write(part)
-                f.flush()
-                os.fsync(f.fileno())
-                size = f.tell()
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        _fsync_dir(folder)
+    # Write through a symlink to the file it names, as an in-place writer would.
+    path = Path(os.path.realpath(path))
+    folder = path.parent
+    try:
+        with _locked(folder):
+            # Under the lock no other writer is active: any temp file of this target is a crash's leftover.
+            remove_stale_temps(path)
+            try:
+                mode = os.stat(path).st_mode & 0o777
+            except OSError:
+                umask = os.umask(0)
+                os.umask(umask)
+                mode = 0o666 & ~umask
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+            try:
+                os.fchmod(fd, mode)  # mkstemp makes 0600; keep the permissions a plain write would give
+                with os.fdopen(fd, "wb") as f:
+                    for part in parts:
+                        f.write(part)
+                    f.flush()
+                    os.fsync(f.fileno())
+                    size = f.tell()
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            _fsync_dir(folder)
+    except SaveError:
+        raise
+    except OSError as exc:
+        err = SaveError(f"{path}: cannot save ({exc.strerror or exc}); the previous file is unchanged")
+        err.errno = exc.errno
+        raise err from None
     return size
 
 
@@ -328,21 +364,22 @@ class Snapshot:
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
-        try:
-            self.file_bytes = self.path.stat().st_size
-        except FileNotFoundError:
-            raise SnapshotError(f"{self.path}: no such file") from None
-        except (OSError, ValueError) as exc:
-            raise SnapshotError(f"{self.path}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
-        if self.file_bytes < 8:
-            raise SnapshotError(f"{self.path}: not a kvsnap snapshot (file is {self.file_bytes} bytes, truncated?)")
-        try:
-            self._file = safe_open(str(self.path), framework="numpy")
-        except Exception as exc:  # safetensors raises its own error types for every header problem
-            raise SnapshotError(f"{self.path}: not a valid safetensors file ({_one_line(exc)}); truncated?") from None
+        self._file = None
         self._mm: mmap.mmap | None = None
+        # A save may rename a new file over this path while we open it: the safetensors check and
+        # the map must see the same file, so compare identities and retry if they differ.
+        for _attempt in range(3):
+            st = self._open_once()
+            try:
+                now = os.stat(self.path)
+            except OSError:
+                now = None
+            if now is not None and _identity(now) == _identity(st):
+                break
+            self.close()
+        else:
+            raise SnapshotError(f"{self.path}: the file keeps changing while it is opened")
         try:
-            self._map()
             self.meta = _parse_meta(self._file.metadata())
             self._check_tensors()
             self.tokens = self._read_tokens()
@@ -353,6 +390,36 @@ class Snapshot:
         except Exception as exc:
             self.close()
             raise SnapshotError(f"{self.path}: damaged file ({_one_line(exc)})") from None
+
+    def _open_once(self) -> os.stat_result:
+        """Map the file and validate it with safetensors; returns the mapped file's identity."""
+        try:
+            with open(self.path, "rb") as fh:
+                st = os.fstat(fh.fileno())
+                if st.st_size < 8:
+                    raise SnapshotError(f"{self.path}: not a kvsnap snapshot (file is {st.st_size} bytes, truncated?)")
+                self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        except FileNotFoundError:
+            raise SnapshotError(f"{self.path}: no such file") from None
+        except SnapshotError:
+            raise
+        except (OSError, ValueError) as exc:
+            raise SnapshotError(f"{self.path}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
+        self.file_bytes = st.st_size
+        try:
+            self._file = safe_open(str(self.path), framework="numpy")
+        except Exception as exc:  # safetensors raises its own error types for every header problem
+            self.close()
+            raise SnapshotError(f"{self.path}: not a valid safetensors file ({_one_line(exc)}); truncated?") from None
+        try:
+            self._locate()
+        except SnapshotError as exc:
+            self.close()
+            raise SnapshotError(f"{self.path}: {exc}") from None
+        except Exception as exc:
+            self.close()
+            raise SnapshotError(f"{self.path}: damaged file ({_one_line(exc)})") from None
+        return st
 
     def __enter__(self) -> Snapshot:
         return self
@@ -369,10 +436,8 @@ class Snapshot:
                 self._mm.close()
             self._mm = None
 
-    def _map(self) -> None:
-        """Map the file and locate every tensor's bytes: blocks are then read without a copy."""
-        with open(self.path, "rb") as fh:
-            self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    def _locate(self) -> None:
+        """Find every tensor's bytes in the map: blocks are then read without a copy."""
         size = len(self._mm)
         (header_len,) = struct.unpack_from("<Q", self._mm, 0)
         if header_len > size - 8:
@@ -446,10 +511,13 @@ class Snapshot:
             return codecs.decode(stored, info.raw_bytes, self.meta.layout.itemsize, self.meta.codec, out)
         except codecs.CodecError as exc:
             raise SnapshotError(f"{self.path}: block {index} does not decode ({exc})") from None
+        except MemoryError:
+            raise SnapshotError(f"{self.path}: block {index} declares more bytes than fit in memory") from None
 
     def encoded_block(self, index: int, stored: bytes | memoryview) -> EncodedBlock:
         info = self.meta.blocks[index]
-        return EncodedBlock(info.num_tokens, info.hash, info.raw_bytes, stored, info.checksum)
+        origin = (self._mm, self.file_bytes) if isinstance(stored, memoryview) else None
+        return EncodedBlock(info.num_tokens, info.hash, info.raw_bytes, stored, info.checksum, origin)
 
     def read_blocks(
         self,
@@ -547,6 +615,10 @@ class Snapshot:
             raise ForeignSnapshotError(f"{self.path}: written with another namespace or block size ({m.block_size})")
 
 
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def _layout_str(layout: KVLayout) -> str:
     return f"{layout.num_layers} layers x {layout.num_kv_heads} kv heads x {layout.head_dim} ({layout.dtype})"
 
@@ -620,7 +692,7 @@ def _meta_from_dict(raw: dict[str, Any]) -> SnapshotMeta:
         _int(lay["head_dim"], "head_dim", 1, _MAX_LAYOUT_DIM),
         dtype,
     )
-    block_size = _int(raw["block_size"], "block_size", 1, 1 << 20)
+    block_size = _int(raw["block_size"], "block_size", 1, _MAX_BLOCK_SIZE)
     codec = raw["codec"]
     if codec not in codecs.CODECS:
         raise SnapshotError(f"unknown codec {codec!r} (this kvsnap knows {', '.join(codecs.CODECS)})")
@@ -634,7 +706,7 @@ def _meta_from_dict(raw: dict[str, Any]) -> SnapshotMeta:
         n = _int(b["tokens"], f"blocks[{i}].tokens", 1, block_size)
         if n != (block_size if full else num_tokens - i * block_size):
             raise SnapshotError(f"block {i} declares {n} tokens, inconsistent with the block size")
-        raw_bytes = _int(b["raw_bytes"], f"blocks[{i}].raw_bytes", 0, 1 << 40)
+        raw_bytes = _int(b["raw_bytes"], f"blocks[{i}].raw_bytes", 0, _MAX_BLOCK_BYTES)
         if raw_bytes != n * layout.bytes_per_token:
             raise SnapshotError(f"block {i} declares {raw_bytes} raw bytes, expected {n * layout.bytes_per_token}")
         # No codec output may exceed its input by more than a small header: bounds decompression input too.

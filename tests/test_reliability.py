@@ -421,3 +421,30 @@ def test_snapshot_with_another_block_size_is_read_with_its_own(llama, tmp_path):
     stats = reader.restore(path, prompt)
     assert stats.hit_tokens == 30 and reader.tokens == prompt[:30]
     assert reader.save(tmp_path / "b.kv").blocks_encoded == 2  # re-keyed in its own block size
+
+
+def test_saving_after_the_resumed_file_was_truncated_in_place_does_not_crash(llama, tmp_path):
+    """Guards a SIGBUS: a session keeps views of the mapped file it resumed; `cp other.kv it.kv`
+    truncates that file in place, and touching a view past its new end killed the process."""
+    src = tmp_path / "a.kv"
+    writer = Session(llama, block_size=8)
+    writer.prefill(list(range(1, 100)))
+    writer.save(src)
+    session = Session(llama, block_size=8)
+    session.restore(src)
+    with open(src, "r+b") as f:
+        f.truncate(100)
+    stats = session.save(tmp_path / "b.kv")
+    assert stats.blocks_encoded == stats.blocks  # nothing taken from the damaged file
+    assert read_everything(tmp_path / "b.kv")["tokens"] == list(range(1, 100))
+
+
+def test_a_save_into_a_missing_folder_is_a_one_line_kvsnap_error(llama, tmp_path):
+    from kvsnap.errors import KvsnapError, SaveError
+
+    session = Session(llama, block_size=8)
+    session.prefill(list(range(1, 20)))
+    with pytest.raises(SaveError) as info:
+        session.save(tmp_path / "missing" / "a.kv")
+    assert isinstance(info.value, KvsnapError) and isinstance(info.value, OSError)
+    assert "\n" not in str(info.value) and "missing" in str(info.value)
