@@ -22,8 +22,10 @@ from kvsnap.errors import (
     ForeignSnapshotError,
     KvsnapError,
     ModelError,
+    SaveError,
     SnapshotError,
     SnapshotVersionError,
+    StoreError,
     UnsupportedModelError,
 )
 
@@ -39,6 +41,7 @@ _LAZY = {
     "SaveStats": "kvsnap.session",
     "SamplingParams": "kvsnap.runner",
     "Snapshot": "kvsnap.snapshot",
+    "BlockStore": "kvsnap.store",
 }
 
 __all__ = [
@@ -48,6 +51,8 @@ __all__ = [
     "ModelError",
     "SnapshotError",
     "SnapshotVersionError",
+    "SaveError",
+    "StoreError",
     "UnsupportedModelError",
     *_LAZY,
 ]

@@ -30,6 +30,10 @@ class SaveError(KvsnapError, OSError):
     """
 
 
+class StoreError(KvsnapError):
+    """A block store is damaged, inconsistent, or asked for something it does not hold."""
+
+
 class ModelError(KvsnapError):
     """A model cannot be found, installed, converted or is not supported."""
 

@@ -1,0 +1,533 @@
+"""The block store's bookkeeping, in memory: which blocks exist, their tree, the LRU clock, pins.
+
+No files, no locks, no torch: ``BlockStore`` (kvsnap/store.py) loads a ``BlockIndex`` from its
+JSON index under a file lock, changes it, and writes block files and the index back; tests and
+the replay benchmark drive the same logic without a filesystem.
+
+Blocks form a forest. A block's parent is the block before it in its chain, or the chain root
+(model fingerprint + namespace + block size, ``kvsnap.hashing.chain_root``) for a chain's first
+block. A block's hash derives from its parent's, so a block whose parent is gone can never be
+found again: eviction takes leaves only (blocks with no stored child), never a block that a
+pinned session uses, least recently used first. A shared system prompt, an inner node with many
+children, is never a candidate while anything below it is stored.
+
+The clock is a counter, not wall time: every touch takes the next value, blocks of one chain in
+order, so recency is a strict total order and every run replays the same way.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvsnap import hashing
+from kvsnap.errors import StoreError
+from kvsnap.snapshot import KV_DTYPES, KVLayout
+
+INDEX_FORMAT = "kvsnap-store"
+INDEX_VERSION = 1
+COUNTERS = ("lookups", "lookup_blocks", "hits", "prompt_tokens", "hit_tokens", "evictions", "damaged")
+
+
+@dataclass(frozen=True, slots=True)
+class ChainInfo:
+    """What a chain root stands for: one model, its cache layout and one block size (the namespace is hashed in)."""
+
+    root: bytes
+    model: str
+    fingerprint: str
+    layout: KVLayout
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRecord:
+    """One stored block as the index knows it; the block's bytes live in the store's block file."""
+
+    hash: bytes
+    parent: bytes  # the previous block's hash, or the chain root for a chain's first block
+    root: bytes
+    token_ids: tuple[int, ...]
+    full: bool  # False for a session's partial tail: kept for export, never matched by a lookup
+    raw_bytes: int
+    stored_bytes: int
+    checksum: str
+    codec: str
+    level: int
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRecord:
+    """A named token sequence over stored blocks. Pinned sessions keep their blocks from eviction."""
+
+    name: str
+    root: bytes
+    token_ids: tuple[int, ...]
+    hashes: tuple[bytes, ...]  # every block of the tokens, the partial tail's (if any) last
+    pinned: bool
+    messages: tuple[dict[str, str], ...] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    logits: str | None = None  # blob id of the last position's logits (float32), if kept
+
+
+@dataclass(frozen=True, slots=True)
+class StoreMatch:
+    """The longest run of full blocks of a prompt found in the store (hashes, parents and tokens checked)."""
+
+    hit_tokens: int
+    block_size: int
+    hashes: tuple[bytes, ...]
+
+    @property
+    def full_blocks(self) -> int:
+        return len(self.hashes)
+
+
+def tail_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """Key of a partial tail block: the chained hash of its fewer-than-``block_size`` tokens.
+
+    Its input is shorter than any full block's, so it never equals a full block's hash.
+    """
+    return hashing.block_hash(parent, token_ids)
+
+
+def block_keys(token_ids: Sequence[int], block_size: int, root: bytes) -> list[bytes]:
+    """Keys of every block of ``token_ids``: the full blocks' chained hashes, then the partial tail's, if any."""
+    keys = hashing.chain_hashes(token_ids, block_size, root)
+    done = len(keys) * block_size
+    if done < len(token_ids):
+        keys.append(tail_hash(keys[-1] if keys else root, token_ids[done:]))
+    return keys
+
+
+class BlockIndex:
+    """Blocks, their parent/child links, last use, pins and sessions, with leaf-only LRU eviction.
+
+    Invariants (``check`` lists violations): every block's parent is a stored block or a known
+    chain root; ``children`` holds exactly the stored blocks under each parent; ``num_bytes`` is
+    the sum of stored block sizes; ``pins[h]`` counts the pinned sessions that use ``h``.
+    """
+
+    def __init__(self, budget_bytes: int | None = None):
+        self.budget_bytes = budget_bytes
+        self.clock = 0
+        self.chains: dict[bytes, ChainInfo] = {}
+        self.blocks: dict[bytes, BlockRecord] = {}
+        self.last_use: dict[bytes, int] = {}
+        self.children: dict[bytes, set[bytes]] = {}  # parent (block or root) -> stored children
+        self.sessions: dict[str, SessionRecord] = {}
+        self.pins: Counter[bytes] = Counter()
+        self.num_bytes = 0
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+
+    # -- chains and blocks ----------------------------------------------------------------------
+
+    def add_chain(self, chain: ChainInfo) -> None:
+        known = self.chains.get(chain.root)
+        if known is None:
+            self.chains[chain.root] = chain
+        elif known != chain:
+            raise StoreError(
+                f"chain root {chain.root.hex()[:12]} is stored for {known.model} (block size {known.block_size}, "
+                f"{known.layout.dtype}), not {chain.model} (block size {chain.block_size}, {chain.layout.dtype})"
+            )
+
+    def put(self, record: BlockRecord) -> bool:
+        """Add a block (or find it already stored) and touch it; True when it is new.
+
+        A stored block with this hash but another parent or other token ids is a hash collision:
+        refused, so the wrong KV is never reused under this key.
+        """
+        known = self.blocks.get(record.hash)
+        if known is not None:
+            if (known.parent, known.root, known.token_ids) != (record.parent, record.root, record.token_ids):
+                raise StoreError(f"hash collision: block {record.hash.hex()[:12]} is stored for other tokens")
+            self.touch([record.hash])
+            return False
+        if record.root not in self.chains:
+            raise StoreError(f"block {record.hash.hex()[:12]} belongs to an unknown chain root")
+        if record.parent != record.root:
+            parent = self.blocks.get(record.parent)
+            if parent is None:
+                raise StoreError(f"block {record.hash.hex()[:12]}: its parent is not in the store")
+            if not parent.full:
+                raise StoreError(f"block {record.hash.hex()[:12]}: its parent is a partial block")
+        self.blocks[record.hash] = record
+        self.children.setdefault(record.parent, set()).add(record.hash)
+        self.num_bytes += record.stored_bytes
+        self.touch([record.hash])
+        return True
+
+    def touch(self, hashes: Iterable[bytes]) -> None:
+        for h in hashes:
+            self.clock += 1
+            self.last_use[h] = self.clock
+
+    def remove(self, h: bytes) -> BlockRecord:
+        """Drop one leaf block (the caller deletes its file)."""
+        record = self.blocks.pop(h)
+        assert not self.children.get(h), "only a leaf can be removed"
+        self.children.pop(h, None)
+        siblings = self.children[record.parent]
+        siblings.discard(h)
+        if not siblings:
+            del self.children[record.parent]
+        del self.last_use[h]
+        self.num_bytes -= record.stored_bytes
+        return record
+
+    def remove_subtree(self, h: bytes) -> list[bytes]:
+        """Drop a block and everything below it (a damaged or missing block); returns the hashes, leaves first."""
+        order: list[bytes] = []
+        stack = [h]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(self.children.get(node, ()))
+        for node in reversed(order):
+            self.remove(node)
+        return order[::-1]
+
+    # -- lookup ---------------------------------------------------------------------------------
+
+    def match(self, prompt_ids: Sequence[int], root: bytes, block_size: int) -> StoreMatch:
+        """Longest run of the prompt's full blocks stored under ``root``; changes nothing."""
+        chain = self.chains.get(root)
+        if chain is None:
+            return StoreMatch(0, block_size, ())
+        if chain.block_size != block_size:
+            raise ValueError(f"root {root.hex()[:12]} is a chain of block size {chain.block_size}, not {block_size}")
+        hashes: list[bytes] = []
+        parent = root
+        for i, h in enumerate(hashing.chain_hashes(prompt_ids, block_size, root)):
+            record = self.blocks.get(h)
+            # A hash hit is trusted only once parent, root and token ids compare equal: a collision stops here.
+            if (
+                record is None
+                or not record.full
+                or record.parent != parent
+                or record.root != root
+                or record.token_ids != tuple(prompt_ids[i * block_size : (i + 1) * block_size])
+            ):
+                break
+            hashes.append(h)
+            parent = h
+        return StoreMatch(len(hashes) * block_size, block_size, tuple(hashes))
+
+    def record_lookup(self, prompt_ids: Sequence[int], match: StoreMatch) -> None:
+        """Touch a match's blocks and count it in the hit statistics."""
+        self.touch(match.hashes)
+        c = self.counters
+        c["lookups"] += 1
+        c["lookup_blocks"] += len(prompt_ids) // match.block_size
+        c["hits"] += match.full_blocks
+        c["prompt_tokens"] += len(prompt_ids)
+        c["hit_tokens"] += match.hit_tokens
+
+    def lookup(self, prompt_ids: Sequence[int], root: bytes, block_size: int) -> StoreMatch:
+        """``match``, then touch the blocks found and count the lookup."""
+        match = self.match(prompt_ids, root, block_size)
+        self.record_lookup(prompt_ids, match)
+        return match
+
+    # -- eviction -------------------------------------------------------------------------------
+
+    def evictable(self, h: bytes) -> bool:
+        """A stored leaf that no pinned session uses."""
+        return h in self.blocks and not self.children.get(h) and self.pins[h] == 0
+
+    def evict(self, budget_bytes: int | None = None) -> list[bytes]:
+        """Evict least recently used evictable leaves until the blocks fit the budget; returns them in order.
+
+        Stops early, over budget, when every leaf left is pinned. ``budget_bytes`` defaults to the
+        index's own budget; with neither, nothing is evicted.
+        """
+        budget = self.budget_bytes if budget_bytes is None else budget_bytes
+        if budget is None or self.num_bytes <= budget:
+            return []
+        heap = [(self.last_use[h], h) for h in self.blocks if self.evictable(h)]
+        heapq.heapify(heap)
+        evicted: list[bytes] = []
+        while self.num_bytes > budget and heap:
+            _, h = heapq.heappop(heap)
+            record = self.remove(h)
+            evicted.append(h)
+            # Its parent may just have become a leaf.
+            if self.evictable(record.parent):
+                heapq.heappush(heap, (self.last_use[record.parent], record.parent))
+        self.counters["evictions"] += len(evicted)
+        return evicted
+
+    # -- sessions -------------------------------------------------------------------------------
+
+    def set_session(self, session: SessionRecord) -> None:
+        """Add or replace a session (its pins move with it)."""
+        self.remove_session(session.name)
+        self.sessions[session.name] = session
+        if session.pinned:
+            self.pins.update(session.hashes)
+
+    def remove_session(self, name: str) -> SessionRecord | None:
+        session = self.sessions.pop(name, None)
+        if session is not None and session.pinned:
+            self.pins.subtract(session.hashes)
+            self.pins = +self.pins  # drop zero counts
+        return session
+
+    def present_blocks(self, session: SessionRecord) -> int:
+        """How many of a session's blocks, from its first, are still stored."""
+        n = 0
+        for h in session.hashes:
+            if h not in self.blocks:
+                break
+            n += 1
+        return n
+
+    # -- views ----------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        c = self.counters
+        return {
+            "blocks": len(self.blocks),
+            "bytes": self.num_bytes,
+            "budget_bytes": self.budget_bytes,
+            "sessions": len(self.sessions),
+            "pinned_sessions": sum(s.pinned for s in self.sessions.values()),
+            "hits": c["hits"],
+            "evictions": c["evictions"],
+            "lookups": c["lookups"],
+            "lookup_blocks": c["lookup_blocks"],
+            "block_hit_rate": round(c["hits"] / c["lookup_blocks"], 6) if c["lookup_blocks"] else 0.0,
+            "prompt_tokens": c["prompt_tokens"],
+            "hit_tokens": c["hit_tokens"],
+            "damaged": c["damaged"],
+            "roots": len(self.chains),
+            "leaves": sum(1 for h in self.blocks if not self.children.get(h)),
+            "raw_bytes": sum(r.raw_bytes for r in self.blocks.values()),
+            "pinned_bytes": sum(r.stored_bytes for h, r in self.blocks.items() if self.pins[h]),
+        }
+
+    def tree(self) -> dict[str, Any]:
+        """The radix view: per chain root, runs of blocks without a branch (or a session end) merged into one node.
+
+        Each node: ``hashes`` (hex), ``blocks``, ``token_ids``, ``bytes`` (stored), ``raw_bytes``,
+        ``last_use`` (the latest in the run), ``pins``, ``partial`` (ends in a tail block),
+        ``sessions`` (names ending here) and ``children`` (ordered by first token id).
+        """
+        ends: dict[bytes, list[str]] = {}
+        for s in self.sessions.values():
+            if s.hashes:
+                ends.setdefault(s.hashes[-1], []).append(s.name)
+
+        def node(h: bytes) -> dict[str, Any]:
+            run = [h]
+            while h not in ends and len(self.children.get(h, ())) == 1:
+                (h,) = self.children[h]
+                run.append(h)
+            records = [self.blocks[x] for x in run]
+            return {
+                "hashes": [x.hex() for x in run],
+                "blocks": len(run),
+                "token_ids": [t for r in records for t in r.token_ids],
+                "bytes": sum(r.stored_bytes for r in records),
+                "raw_bytes": sum(r.raw_bytes for r in records),
+                "last_use": max(self.last_use[x] for x in run),
+                "pins": self.pins[run[-1]],
+                "partial": not records[-1].full,
+                "sessions": sorted(ends.get(h, [])),
+                "children": below(h),
+            }
+
+        def below(parent: bytes) -> list[dict[str, Any]]:
+            kids = sorted(self.children.get(parent, ()), key=lambda x: (self.blocks[x].token_ids, x))
+            return [node(k) for k in kids]
+
+        roots = []
+        for root, chain in sorted(self.chains.items()):
+            roots.append(
+                {
+                    "root": root.hex(),
+                    "model": chain.model,
+                    "fingerprint": chain.fingerprint,
+                    "block_size": chain.block_size,
+                    "layout": layout_to_json(chain.layout),
+                    "children": below(root),
+                }
+            )
+        return {"clock": self.clock, "roots": roots}
+
+    def check(self) -> list[str]:
+        """Violations of the index's invariants (empty when sound)."""
+        problems = []
+        for h, r in self.blocks.items():
+            if r.hash != h:
+                problems.append(f"block {h.hex()[:12]} is recorded under another hash")
+            if r.root not in self.chains:
+                problems.append(f"block {h.hex()[:12]} has an unknown root")
+            if r.parent != r.root and r.parent not in self.blocks:
+                problems.append(f"block {h.hex()[:12]} has no stored parent")
+            if h not in self.children.get(r.parent, ()):
+                problems.append(f"block {h.hex()[:12]} is missing from its parent's children")
+            if h not in self.last_use:
+                problems.append(f"block {h.hex()[:12]} has no last use")
+        for parent, kids in self.children.items():
+            for k in kids:
+                if k not in self.blocks or self.blocks[k].parent != parent:
+                    problems.append(f"child link {parent.hex()[:12]} -> {k.hex()[:12]} is stale")
+        if self.num_bytes != sum(r.stored_bytes for r in self.blocks.values()):
+            problems.append("byte count does not match the blocks")
+        expect = Counter(h for s in self.sessions.values() if s.pinned for h in s.hashes)
+        if +expect != +self.pins:
+            problems.append("pin counts do not match the pinned sessions")
+        return problems
+
+    # -- JSON -----------------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": INDEX_FORMAT,
+            "version": INDEX_VERSION,
+            "hash_scheme": hashing.HASH_SCHEME,
+            "budget_bytes": self.budget_bytes,
+            "clock": self.clock,
+            "counters": self.counters,
+            "chains": [
+                {
+                    "root": c.root.hex(),
+                    "model": c.model,
+                    "fingerprint": c.fingerprint,
+                    "layout": layout_to_json(c.layout),
+                    "block_size": c.block_size,
+                }
+                for c in self.chains.values()
+            ],
+            "blocks": [
+                {
+                    "hash": r.hash.hex(),
+                    "parent": r.parent.hex(),
+                    "root": r.root.hex(),
+                    "tokens": list(r.token_ids),
+                    "full": r.full,
+                    "raw_bytes": r.raw_bytes,
+                    "stored_bytes": r.stored_bytes,
+                    "checksum": r.checksum,
+                    "codec": r.codec,
+                    "level": r.level,
+                    "last_use": self.last_use[r.hash],
+                }
+                for r in self.blocks.values()
+            ],
+            "sessions": [
+                {
+                    "name": s.name,
+                    "root": s.root.hex(),
+                    "tokens": list(s.token_ids),
+                    "hashes": [h.hex() for h in s.hashes],
+                    "pinned": s.pinned,
+                    "messages": list(s.messages) if s.messages is not None else None,
+                    "extra": s.extra,
+                    "logits": s.logits,
+                }
+                for s in self.sessions.values()
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> BlockIndex:
+        """Rebuild an index from ``to_json`` output; anything malformed raises ``StoreError``."""
+        if not isinstance(data, dict) or data.get("format") != INDEX_FORMAT:
+            raise StoreError("not a kvsnap store index")
+        if data.get("version") != INDEX_VERSION:
+            raise StoreError(f"store index version {data.get('version')!r} is not one this kvsnap reads")
+        if data.get("hash_scheme") != hashing.HASH_SCHEME:
+            raise StoreError(f"unknown hash scheme {data.get('hash_scheme')!r}")
+        try:
+            index = cls(_opt_int(data["budget_bytes"]))
+            saved_clock = int(data["clock"])
+            index.counters.update({k: int(data["counters"].get(k, 0)) for k in COUNTERS})
+            for c in data["chains"]:
+                index.add_chain(
+                    ChainInfo(
+                        bytes.fromhex(c["root"]),
+                        str(c["model"]),
+                        str(c["fingerprint"]),
+                        layout_from_json(c["layout"]),
+                        int(c["block_size"]),
+                    )
+                )
+            pending = [_block_from_json(b) for b in data["blocks"]]
+            # Parents before children, whatever order the file lists them in.
+            by_parent: dict[bytes, list[tuple[BlockRecord, int]]] = {}
+            for record, last_use in pending:
+                by_parent.setdefault(record.parent, []).append((record, last_use))
+            stack = [r for r in index.chains]
+            while stack:
+                parent = stack.pop()
+                for record, last_use in by_parent.pop(parent, []):
+                    index.put(record)
+                    index.last_use[record.hash] = last_use
+                    stack.append(record.hash)
+            if by_parent:
+                raise StoreError(f"store index holds {sum(map(len, by_parent.values()))} blocks without a parent")
+            # Loading touched every block; the saved clock (and the saved last uses) stand.
+            index.clock = max([saved_clock, *index.last_use.values()])
+            for s in data["sessions"]:
+                messages = s.get("messages")
+                index.set_session(
+                    SessionRecord(
+                        name=str(s["name"]),
+                        root=bytes.fromhex(s["root"]),
+                        token_ids=tuple(int(t) for t in s["tokens"]),
+                        hashes=tuple(bytes.fromhex(h) for h in s["hashes"]),
+                        pinned=bool(s["pinned"]),
+                        messages=tuple(dict(m) for m in messages) if messages is not None else None,
+                        extra=dict(s.get("extra") or {}),
+                        logits=s.get("logits"),
+                    )
+                )
+        except StoreError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise StoreError(f"store index is malformed ({type(exc).__name__}: {exc})") from None
+        return index
+
+
+def layout_to_json(layout: KVLayout) -> dict[str, Any]:
+    return {
+        "layers": layout.num_layers,
+        "kv_heads": layout.num_kv_heads,
+        "head_dim": layout.head_dim,
+        "dtype": layout.dtype,
+    }
+
+
+def layout_from_json(data: dict[str, Any]) -> KVLayout:
+    if data["dtype"] not in KV_DTYPES:
+        raise StoreError(f"unknown KV dtype {data['dtype']!r}")
+    return KVLayout(int(data["layers"]), int(data["kv_heads"]), int(data["head_dim"]), data["dtype"])
+
+
+def _opt_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _block_from_json(b: dict[str, Any]) -> tuple[BlockRecord, int]:
+    h = bytes.fromhex(b["hash"])
+    if len(h) != hashing.DIGEST_SIZE:
+        raise StoreError("store index holds a hash of the wrong length")
+    record = BlockRecord(
+        hash=h,
+        parent=bytes.fromhex(b["parent"]),
+        root=bytes.fromhex(b["root"]),
+        token_ids=tuple(int(t) for t in b["tokens"]),
+        full=bool(b["full"]),
+        raw_bytes=int(b["raw_bytes"]),
+        stored_bytes=int(b["stored_bytes"]),
+        checksum=str(b["checksum"]),
+        codec=str(b["codec"]),
+        level=int(b["level"]),
+    )
+    return record, int(b["last_use"])
