@@ -205,3 +205,42 @@ def test_chat_slash_commands(model, tmp_path, kvsnap_home):
     assert "/save [FILE]" in result.stderr and other.exists()
     assert "conversation reset" in result.stderr and "0 tokens in the session" in result.stderr
     assert "unknown command /bogus" in result.stderr
+
+
+def test_chat_save_failure_keeps_the_chat_going(model, tmp_path, kvsnap_home):
+    """Guards a crash: a /save into a missing folder raised a traceback and ended the conversation."""
+    result = _chat(
+        model, tmp_path / "c.kv", f"hi\n/save {tmp_path}/missing/x.kv\nstill here\n/stats\n", str(kvsnap_home)
+    )
+    assert result.returncode == 0, result.stderr
+    assert "cannot save" in result.stderr and "Traceback" not in result.stderr
+    assert "(2 turns)" in result.stderr  # the message after the failed save was answered
+
+
+def test_batch_bad_numbers_are_rows_not_crashes(model, tmp_path):
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text(
+        '{"id": "nan", "prompt": "x", "max_new_tokens": NaN}\n'
+        '{"id": "big", "prompt": "x", "seed": 1e20}\n'
+        '{"id": "temp", "prompt": "x", "temperature": NaN}\n'
+        '{"id": "chat", "prompt": "x", "chat": "no"}\n'
+        '{"id": "ok", "prompt": "x", "max_new_tokens": 1}\n'
+    )
+    result = invoke("run", *base(model), "--batch", str(jobs))
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    rows = json_lines(result.stdout)
+    assert [r["id"] for r in rows] == ["nan", "big", "temp", "chat", "ok"]
+    assert all("error" in r for r in rows[:4]) and "error" not in rows[4]
+
+
+def test_batch_refuses_flags_it_would_ignore(model, tmp_path):
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text('{"prompt": "x"}\n')
+    for flag in (["--save", str(tmp_path / "o.kv")], ["--chat"], ["--system", "s"]):
+        result = invoke("run", *base(model), "--batch", str(jobs), *flag)
+        assert result.exit_code == 1 and "per job" in result.stderr
+
+
+def test_save_into_a_missing_folder_fails_before_the_model_loads(model, tmp_path):
+    result = invoke("run", *base(model), "--prompt", "x", "--save", str(tmp_path / "no" / "x.kv"))
+    assert result.exit_code == 1 and "does not exist" in result.stderr and "loading" not in result.stderr
