@@ -10,7 +10,7 @@ import typer
 
 from cli import options as o
 from cli import ui
-from cli.common import guarded
+from cli.common import guarded, open_store
 
 HELP = """commands:
   /save [FILE]  save the session now (default: the autosave file)
@@ -41,6 +41,8 @@ def chat(
     seed: o.Seed = None,
     chunk_size: o.ChunkSize = 512,
     namespace: o.Namespace = "",
+    store: o.Store = None,
+    store_budget: o.StoreBudget = None,
     block_size: o.BlockSize = 64,
     codec: o.Codec = "shuffle-zstd",
     device: o.Device = "auto",
@@ -64,8 +66,11 @@ def chat(
     check_save_target(save or resume)
 
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    block_store = open_store(store, store_budget)
     lm = ui.load_model(model, device, dtype)
-    session = Session(lm, chunk_size=chunk_size, block_size=block_size, codec=codec, namespace=namespace)
+    session = Session(
+        lm, chunk_size=chunk_size, block_size=block_size, codec=codec, namespace=namespace, store=block_store
+    )
     autosave = save or resume
     interactive = sys.stdin.isatty()
     if resume is not None and not resume.exists():

@@ -32,3 +32,16 @@ def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise typer.Exit(130) from None
 
     return wrapper
+
+
+def open_store(path, budget: str | None):
+    """The block store behind --store/--store-budget, or None."""
+    if path is None:
+        if budget is not None:
+            from kvsnap.errors import ConfigError
+
+            raise ConfigError("--store-budget needs --store DIR")
+        return None
+    from kvsnap.store import BlockStore, parse_size
+
+    return BlockStore(path, budget_bytes=parse_size(budget) if budget is not None else None)

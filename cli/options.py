@@ -31,3 +31,14 @@ Namespace = Annotated[
         "Use one per user on shared machines (a hit is faster than a miss, so shared blocks leak what others asked)."
     ),
 ]
+Store = Annotated[
+    Path | None,
+    typer.Option(
+        envvar="KVSNAP_STORE",
+        help="Block store folder shared by runs and chats: the longest prefix found there is reused, "
+        "and new blocks are added after each request (env KVSNAP_STORE).",
+    ),
+]
+StoreBudget = Annotated[
+    str | None, typer.Option(help="Disk budget for --store (200MB, 2GB or bytes); least recently used leaves go first.")
+]

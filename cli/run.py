@@ -10,7 +10,7 @@ import typer
 
 from cli import options as o
 from cli import ui
-from cli.common import guarded
+from cli.common import guarded, open_store
 
 
 @guarded
@@ -41,6 +41,8 @@ def run(
     stop: o.Stop = None,
     chunk_size: o.ChunkSize = 512,
     namespace: o.Namespace = "",
+    store: o.Store = None,
+    store_budget: o.StoreBudget = None,
     block_size: o.BlockSize = 64,
     codec: o.Codec = "shuffle-zstd",
     device: o.Device = "auto",
@@ -81,8 +83,11 @@ def run(
     )
     if batch is not None:
         lines = sys.stdin if str(batch) == "-" else _open_batch(batch)
+    block_store = open_store(store, store_budget)
     lm = ui.load_model(model, device, dtype)
-    session = Session(lm, chunk_size=chunk_size, block_size=block_size, codec=codec, namespace=namespace)
+    session = Session(
+        lm, chunk_size=chunk_size, block_size=block_size, codec=codec, namespace=namespace, store=block_store
+    )
 
     if batch is None:
         job = Job(

@@ -17,8 +17,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from kvsnap import cache as kvcache
@@ -28,6 +29,9 @@ from kvsnap.errors import ConfigError, SnapshotError
 from kvsnap.models import LoadedModel
 from kvsnap.runner import Generation, Runner, SamplingParams, generate
 from kvsnap.snapshot import EncodedBlock, Snapshot, encode_block, write_snapshot
+
+if TYPE_CHECKING:
+    from kvsnap.store import BlockStore
 
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_CHUNK_SIZE = 512
@@ -67,6 +71,7 @@ class TurnResult:
     total_s: float
     restored_from: str | None = None
     restore_error: str | None = None  # the snapshot was refused and everything recomputed (on_mismatch="recompute")
+    store_new_blocks: int | None = None  # blocks this request added to the block store (None: no store)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,6 +106,7 @@ class Session:
         namespace: str = "",
         codec: str = codecs.DEFAULT_CODEC,
         level: int = codecs.DEFAULT_LEVEL,
+        store: BlockStore | None = None,
     ):
         if block_size < 1:
             raise ConfigError("block_size must be >= 1")
@@ -115,6 +121,7 @@ class Session:
         self.namespace = namespace
         self.codec = codec
         self.level = level
+        self.store = store
         self.reset()
 
     # -- state ------------------------------------------------------------------------------
@@ -202,6 +209,53 @@ class Session:
         # A partial prefix of a chat is no longer that chat: its messages would not match the tokens.
         self.messages = messages
         return RestoreStats(str(path), meta.num_tokens, hit, num_blocks, time.perf_counter() - t0)
+
+    def restore_from_store(self, prompt_ids: Sequence[int]) -> RestoreStats | None:
+        """Take the longest prefix of ``prompt_ids`` held in the block store, if it beats what the
+        session already holds for this prompt; returns None when it does not. The model does not run."""
+        assert self.store is not None
+        t0 = time.perf_counter()
+        have = prefix.common_prefix_len(self.tokens, prompt_ids)
+        match, blocks = self.store.fetch(prompt_ids, self.root(), self.block_size)
+        if match.hit_tokens <= have:
+            return None
+        hit = match.hit_tokens
+        layout = self.lm.layout
+        restorer = kvcache.Restorer(layout, hit, self.lm.device, capacity=len(prompt_ids) + _DECODE_ROOM)
+        scratch = np.empty(self.block_size * layout.bytes_per_token, dtype=np.uint8)
+        for i, block in enumerate(blocks):
+            restorer.write(i * self.block_size, self.block_size, block.decode(layout.itemsize, out=scratch))
+        cache = restorer.finish(self.lm.config)
+        self.cache = cache
+        self.tokens = list(prompt_ids[:hit])
+        self.pending = []
+        self.last_logits = None
+        self._encoded = {b.record.hash: b.encoded() for b in blocks if b.record.codec == self.codec}
+        return RestoreStats("store", hit, hit, len(blocks), time.perf_counter() - t0)
+
+    def save_to_store(self) -> int:
+        """Add the session's full blocks to the block store (those already there are not encoded
+        again); returns how many blocks were new to the store."""
+        assert self.store is not None
+        from kvsnap.store import ChainInfo
+
+        bs = self.block_size
+        tokens = self.tokens[: len(self.tokens) // bs * bs]
+        if not tokens:
+            return 0
+        root = self.root()
+        known = len(self.store.lookup(tokens, root, bs, touch=False).hashes)
+        hashes = hashing.chain_hashes(tokens, bs, root)
+        blocks: list[EncodedBlock | None] = [None] * known
+        for i in range(known, len(hashes)):
+            block = self._encoded.get(hashes[i])
+            if block is None or (block.origin is not None and not block.still_valid()):
+                raw = kvcache.block_raw(self.cache, i * bs, (i + 1) * bs)
+                block = encode_block(raw, bs, hashes[i], self.lm.layout.itemsize, self.codec, self.level)
+                self._encoded[hashes[i]] = block
+            blocks.append(block)
+        chain = ChainInfo(root, self.lm.name, self.lm.fingerprint, self.lm.layout, bs)
+        return self.store.put(chain, tokens, blocks, codec=self.codec, level=self.level).new_blocks
 
     # -- prefill and decode -------------------------------------------------------------------
 
@@ -291,11 +345,13 @@ class Session:
                 if on_mismatch == "error":
                     raise
                 restore_error = str(exc)
+        store_hit = self.restore_from_store(prompt_ids) if self.store is not None else None
         t1 = time.perf_counter()
         plan, seen = self.prefill(prompt_ids, on_progress)
         t2 = time.perf_counter()
         gen = self.generate(params, on_text) if params.max_new_tokens > 0 else None
         t3 = time.perf_counter()
+        store_new = self.save_to_store() if self.store is not None else None
         first = gen.first_token_at if gen is not None else None
         return TurnResult(
             **prefix.Ledger.of(plan, seen).as_dict(),
@@ -308,8 +364,9 @@ class Session:
             prefill_s=round(t2 - t1, 6),
             decode_s=round(t3 - t2, 6),
             total_s=round(t3 - t0, 6),
-            restored_from=str(resume) if restored is not None else None,
+            restored_from="store" if store_hit is not None else (str(resume) if restored is not None else None),
             restore_error=restore_error,
+            store_new_blocks=store_new,
         )
 
     # -- chat --------------------------------------------------------------------------------
