@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from cli import chat, inspect_cmd, pull, run
+from cli import chat, inspect_cmd, pull, run, store_cmd
 from cli.common import state
 
 app = typer.Typer(
@@ -34,6 +34,7 @@ app.command("chat")(chat.chat)
 app.command("run")(run.run)
 app.command("inspect")(inspect_cmd.inspect)
 app.command("pull")(pull.pull)
+app.add_typer(store_cmd.app, name="store")
 
 
 def main() -> None:

@@ -129,7 +129,9 @@ class BlockIndex:
         known = self.chains.get(chain.root)
         if known is None:
             self.chains[chain.root] = chain
-        elif known != chain:
+        # The model's name is only a label (a folder path and an alias can name the same model);
+        # the fingerprint, layout and block size are what the root stands for.
+        elif (known.fingerprint, known.layout, known.block_size) != (chain.fingerprint, chain.layout, chain.block_size):
             raise StoreError(
                 f"chain root {chain.root.hex()[:12]} is stored for {known.model} (block size {known.block_size}, "
                 f"{known.layout.dtype}), not {chain.model} (block size {chain.block_size}, {chain.layout.dtype})"

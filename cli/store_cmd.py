@@ -1,0 +1,445 @@
+"""``kvsnap store``: look after a block store (kvsnap/store.py) from the shell. No model, no torch.
+
+Every command but ``import`` opens the store with ``create=False``, so a mistyped DIR is an error
+rather than a new, empty store. Reports go to stdout (one JSON object with ``--json``), errors to
+stderr as one line with exit code 1 (``guarded``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from cli import ui
+from cli.common import guarded
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.tree import Tree
+
+    from kvsnap.describe import LightTokenizer
+    from kvsnap.store import BlockStore
+
+app = typer.Typer(
+    help=(
+        "Look after a block store: a folder of KV blocks shared by many sessions, each block stored once, "
+        "kept under a budget by evicting least recently used leaves (never a shared prefix still in use, "
+        "never a pinned session's blocks)."
+    ),
+    no_args_is_help=True,
+)
+
+Dir = Annotated[Path, typer.Argument(metavar="DIR", help="The block store folder.", show_default=False)]
+Json = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+Name = Annotated[
+    str, typer.Argument(metavar="NAME", help="A session's name in the store (see `kvsnap store sessions`).")
+]
+
+# Longest token-text preview in the tree, in characters of its repr.
+PREVIEW_CHARS = 60
+
+
+def _open(path: Path, *, create: bool = False) -> BlockStore:
+    from kvsnap.store import BlockStore
+
+    return BlockStore(path, create=create)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
+def _out() -> Console:
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+def _say(text: str) -> None:
+    """A one-line report on stdout, never wrapped (scripts grep it); no markup, so names print as they are."""
+    _out().print(text, markup=False, soft_wrap=True)
+
+
+# -- stats and sessions -------------------------------------------------------------------------
+
+
+@app.command("stats")
+@guarded
+def stats(store_dir: Dir, json_out: Json = False) -> None:
+    """Counts of a store: blocks, bytes (stored and raw), budget, sessions, pins, lookups, hits and evictions."""
+    info = _open(store_dir).stats()
+    if json_out:
+        ui.print_json(info)
+        return
+    from rich.table import Table
+
+    budget = info["budget_bytes"]
+    used = f" ({info['bytes'] / budget:.0%} of the budget)" if budget else ""
+    rows = [
+        ("store", info["path"]),
+        ("blocks", f"{info['blocks']:,} ({info['leaves']:,} leaves) in {_plural(info['roots'], 'chain')}"),
+        ("bytes", f"{ui.human_bytes(info['bytes'])}{used}, {ui.human_bytes(info['raw_bytes'])} raw"),
+        ("budget", ui.human_bytes(budget) if budget is not None else "none"),
+        ("sessions", f"{info['sessions']:,} ({info['pinned_sessions']:,} pinned)"),
+        ("pinned", ui.human_bytes(info["pinned_bytes"])),
+        (
+            "lookups",
+            f"{info['lookups']:,}: {info['hits']:,} of {info['lookup_blocks']:,} blocks hit "
+            f"({info['block_hit_rate']:.1%}), {info['hit_tokens']:,} of {info['prompt_tokens']:,} tokens reused",
+        ),
+        ("evictions", f"{info['evictions']:,}"),
+        ("damaged", f"{info['damaged']:,} blocks found damaged and dropped"),
+    ]
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in rows:
+        table.add_row(key, value)
+    _out().print(table)
+
+
+@app.command("sessions")
+@guarded
+def sessions(store_dir: Dir, json_out: Json = False) -> None:
+    """List the named sessions: tokens, blocks still stored, pinned, chat turns."""
+    index = _open(store_dir).read_index()
+    rows = []
+    for s in sorted(index.sessions.values(), key=lambda s: s.name):
+        rows.append(
+            {
+                "name": s.name,
+                "model": index.chains[s.root].model if s.root in index.chains else None,
+                "tokens": len(s.token_ids),
+                "blocks": len(s.hashes),
+                "present_blocks": index.present_blocks(s),
+                "pinned": s.pinned,
+                "chat_turns": len(s.messages) if s.messages is not None else None,
+            }
+        )
+    if json_out:
+        ui.print_json({"sessions": rows})
+        return
+    if not rows:
+        ui.note("no sessions in the store")
+        return
+    from rich.table import Table
+
+    table = Table(box=None, pad_edge=False)
+    for col in ("name", "tokens", "blocks", "pinned", "chat", "model"):
+        table.add_column(col, justify="right" if col in ("tokens", "blocks", "chat") else "left")
+    for r in rows:
+        blocks = f"{r['blocks']}" if r["present_blocks"] == r["blocks"] else f"{r['present_blocks']}/{r['blocks']}"
+        chat = str(r["chat_turns"]) if r["chat_turns"] is not None else "-"
+        table.add_row(r["name"], f"{r['tokens']:,}", blocks, "yes" if r["pinned"] else "", chat, r["model"] or "?")
+    _out().print(table)
+
+
+# -- tree ----------------------------------------------------------------------------------------
+
+
+@app.command("tree")
+@guarded
+def tree(
+    store_dir: Dir,
+    depth: Annotated[
+        int | None, typer.Option(min=1, help="Show this many levels below each chain root (default: all).")
+    ] = None,
+    json_out: Json = False,
+) -> None:
+    """The radix view: a shared prefix once, the branches below it, with token counts, sizes, pins and last use.
+
+    Token text is shown when the model's tokenizer is on this machine; token counts otherwise.
+
+    `last use` counts on the store's use clock: the evictable leaf with the lowest goes first.
+    """
+    from kvsnap.describe import find_tokenizer
+
+    view = _open(store_dir).tree()
+    tokenizers = {r["model"]: find_tokenizer(r["model"]) for r in view["roots"]}
+    roots = [{**r, "children": _annotate(r["children"], tokenizers[r["model"]], depth, 1)} for r in view["roots"]]
+    if json_out:
+        ui.print_json({"path": str(store_dir), "clock": view["clock"], "roots": roots})
+        return
+    out = _out()
+    if not roots:
+        ui.note("the store holds no blocks")
+        return
+    out.print(f"{store_dir}: last use counts on the store's clock (now {view['clock']:,})", style="dim", markup=False)
+    for root in roots:
+        out.print(_render_root(root))
+
+
+def _annotate(nodes: list[dict[str, Any]], tok: LightTokenizer | None, depth: int | None, level: int) -> list:
+    """The library's tree nodes plus ``tokens`` and, with a tokenizer, ``text``; cut below ``depth``."""
+    annotated = []
+    for node in nodes:
+        extra: dict[str, Any] = {"tokens": len(node["token_ids"])}
+        if tok is not None:
+            extra["text"] = tok.decode(node["token_ids"])
+        if depth is not None and level >= depth:
+            children = []
+            if node["children"]:
+                extra["hidden_nodes"] = _count(node["children"])
+        else:
+            children = _annotate(node["children"], tok, depth, level + 1)
+        annotated.append({**node, **extra, "children": children})
+    return annotated
+
+
+def _count(nodes: list[dict[str, Any]]) -> int:
+    return sum(1 + _count(n["children"]) for n in nodes)
+
+
+def _render_root(root: dict[str, Any]) -> Tree:
+    from rich.text import Text
+    from rich.tree import Tree
+
+    lay = root["layout"]
+    label = Text.assemble(
+        (root["model"], "bold"),
+        (f"  block size {root['block_size']}, {lay['dtype']}, root {root['root'][:12]}", "dim"),
+    )
+    top = Tree(label)
+    _render_nodes(top, root["children"])
+    return top
+
+
+def _render_nodes(parent: Tree, nodes: list[dict[str, Any]]) -> None:
+    from rich.text import Text
+
+    for node in nodes:
+        label = Text()
+        if "text" in node:
+            label.append(_preview(node["text"]), style="green")
+            label.append("  ")
+        label.append(f"{_plural(node['tokens'], 'token')}", style="bold")
+        details = [
+            _plural(node["blocks"], "block") + (" (last partial)" if node["partial"] else ""),
+            ui.human_bytes(node["bytes"]),
+            f"last use {node['last_use']:,}",
+        ]
+        label.append("  " + ", ".join(details), style="dim")
+        if node["pins"]:
+            label.append(f"  pinned x{node['pins']}", style="yellow")
+        if node["sessions"]:
+            label.append("  <- " + ", ".join(node["sessions"]), style="cyan")
+        branch = parent.add(label)
+        _render_nodes(branch, node["children"])
+        if node.get("hidden_nodes"):
+            branch.add(Text(f"... {_plural(node['hidden_nodes'], 'more node')} below", style="dim"))
+
+
+def _preview(text: str) -> str:
+    shown = repr(text)
+    if len(shown) <= PREVIEW_CHARS:
+        return shown
+    half = (PREVIEW_CHARS - 3) // 2
+    return shown[:half] + "..." + shown[-half:]
+
+
+# -- upkeep --------------------------------------------------------------------------------------
+
+
+@app.command("gc")
+@guarded
+def gc(store_dir: Dir, json_out: Json = False) -> None:
+    """Repair and tidy the store, and report what went.
+
+    Removes crash leftovers and files the index does not name, drops missing or damaged blocks (with those below).
+
+    Drops unpinned sessions left with no block, then evicts to the budget.
+    """
+    store = _open(store_dir)
+    report = dataclasses.asdict(store.gc())
+    after = store.stats()
+    info = {**report, "blocks": after["blocks"], "bytes": after["bytes"]}
+    if json_out:
+        ui.print_json(info)
+        return
+    _say(
+        f"removed {_plural(report['temp_files'], 'temp file')} and {_plural(report['orphan_files'], 'orphan file')}; "
+        f"dropped {_plural(report['dropped_blocks'], 'missing or damaged block')} and "
+        f"{_plural(report['dropped_sessions'], 'empty session')}; evicted {_plural(report['evicted'], 'block')}. "
+        f"Store: {_plural(after['blocks'], 'block')}, {ui.human_bytes(after['bytes'])}."
+    )
+
+
+@app.command("check")
+@guarded
+def check(store_dir: Dir, json_out: Json = False) -> None:
+    """Read the whole store and verify it: index invariants, every block's checksum, every session's logits.
+
+    Exits 1 when it finds a problem (`kvsnap store gc DIR` repairs what can be repaired).
+    """
+    store = _open(store_dir)
+    problems = store.check()
+    if json_out:
+        ui.print_json({"path": str(store_dir), "ok": not problems, "problems": problems})
+    elif not problems:
+        info = store.stats()
+        _say(
+            f"{store_dir}: sound ({_plural(info['blocks'], 'block')} verified, {_plural(info['sessions'], 'session')})"
+        )
+    else:
+        for p in problems:
+            _say(f"- {p}")
+    if problems:
+        ui.error(f"{store_dir}: {_plural(len(problems), 'problem')} found (kvsnap store gc repairs what it can)")
+        raise typer.Exit(1)
+
+
+@app.command("budget")
+@guarded
+def budget(
+    store_dir: Dir,
+    size: Annotated[
+        str,
+        typer.Argument(
+            metavar="SIZE|none",
+            help="The new budget: 200MB, 2GB, 1.5GiB, a byte count, or `none` for no limit.",
+            show_default=False,
+        ),
+    ],
+    json_out: Json = False,
+) -> None:
+    """Set the store's budget (kept in the store) and evict least recently used leaves at once to fit it."""
+    from kvsnap.store import parse_size
+
+    budget_bytes = None if size.strip().lower() == "none" else parse_size(size)
+    store = _open(store_dir)
+    evicted = store.set_budget(budget_bytes)
+    after = store.stats()
+    info = {
+        "budget_bytes": budget_bytes,
+        "evicted": len(evicted),
+        "blocks": after["blocks"],
+        "bytes": after["bytes"],
+        "pinned_bytes": after["pinned_bytes"],
+    }
+    if json_out:
+        ui.print_json(info)
+        return
+    shown = ui.human_bytes(budget_bytes) if budget_bytes is not None else "none"
+    _say(
+        f"budget {shown}: evicted {_plural(len(evicted), 'block')}; "
+        f"store now {_plural(after['blocks'], 'block')}, {ui.human_bytes(after['bytes'])}"
+    )
+    if budget_bytes is not None and after["bytes"] > budget_bytes:
+        ui.note(
+            f"still over the budget: pinned sessions hold {ui.human_bytes(after['pinned_bytes'])} "
+            "(unpin one to let it go)"
+        )
+
+
+# -- sessions: pin, unpin, rm --------------------------------------------------------------------
+
+
+@app.command("pin")
+@guarded
+def pin(store_dir: Dir, name: Name, json_out: Json = False) -> None:
+    """Keep a session's blocks from eviction, whatever the budget (pins are counted per block)."""
+    _open(store_dir).pin(name)
+    if json_out:
+        ui.print_json({"session": name, "pinned": True})
+    else:
+        _say(f"pinned session {name!r}: its blocks are kept from eviction")
+
+
+@app.command("unpin")
+@guarded
+def unpin(store_dir: Dir, name: Name, json_out: Json = False) -> None:
+    """Let a session's blocks be evicted again; evicts to the budget at once and says what went."""
+    evicted = _open(store_dir).unpin(name)
+    if json_out:
+        ui.print_json({"session": name, "pinned": False, "evicted": len(evicted)})
+    else:
+        _say(f"unpinned session {name!r}; evicted {_plural(len(evicted), 'block')}")
+
+
+@app.command("rm")
+@guarded
+def rm(store_dir: Dir, name: Name, json_out: Json = False) -> None:
+    """Forget a session. Its blocks stay as cache for later prompts until evicted."""
+    evicted = _open(store_dir).remove_session(name)
+    if json_out:
+        ui.print_json({"session": name, "removed": True, "evicted": len(evicted)})
+    else:
+        _say(f"removed session {name!r} (its blocks stay as cache); evicted {_plural(len(evicted), 'block')}")
+
+
+# -- .kv interchange -----------------------------------------------------------------------------
+
+
+@app.command("export")
+@guarded
+def export(
+    store_dir: Dir,
+    name: Name,
+    out: Annotated[
+        Path, typer.Argument(metavar="OUT.kv", help="The .kv snapshot to write (replaced atomically if it exists).")
+    ],
+    json_out: Json = False,
+) -> None:
+    """Write a stored session as a .kv snapshot, usable with --resume and `kvsnap inspect`."""
+    export = _open(store_dir).session_export(name)
+    size = export.write(out)
+    info = {
+        "session": name,
+        "path": str(out),
+        "tokens": len(export.tokens),
+        "blocks": len(export.blocks),
+        "file_bytes": size,
+        "codec": export.codec,
+    }
+    if json_out:
+        ui.print_json(info)
+    else:
+        _say(
+            f"wrote session {name!r} to {out}: {_plural(info['tokens'], 'token')}, "
+            f"{_plural(info['blocks'], 'block')}, {ui.human_bytes(size)}"
+        )
+
+
+@app.command("import")
+@guarded
+def import_(
+    store_dir: Annotated[Path, typer.Argument(metavar="DIR", help="The block store folder (created if missing).")],
+    file: Annotated[Path, typer.Argument(metavar="FILE.kv", help="The .kv snapshot to add.")],
+    name: Annotated[str | None, typer.Option(help="Session name (default: the file name without .kv).")] = None,
+    pin_it: Annotated[bool, typer.Option("--pin", help="Pin the session: its blocks are kept from eviction.")] = False,
+    json_out: Json = False,
+) -> None:
+    """Add a .kv snapshot's blocks to the store (verified, stored once) and record it as a named session."""
+    from kvsnap.errors import KvsnapError
+
+    session = name if name is not None else file.stem
+    created = not store_dir.exists()
+    try:
+        result = _open(store_dir, create=True).import_snapshot(file, session, pin=True if pin_it else None)
+    except KvsnapError:
+        if created:
+            # Leave no empty store behind for a file that could not be read.
+            with contextlib.suppress(OSError):
+                store_dir.rmdir()
+        raise
+    info = {
+        "session": session,
+        "path": str(file),
+        "stored_tokens": result.stored_tokens,
+        "blocks": len(result.hashes),
+        "new_blocks": result.new_blocks,
+        "reused_blocks": result.reused_blocks,
+        "evicted": len(result.evicted),
+    }
+    if json_out:
+        ui.print_json(info)
+    else:
+        _say(
+            f"imported {file} as session {session!r}: {_plural(result.stored_tokens, 'token')} stored, "
+            f"{_plural(result.new_blocks, 'new block')}, {result.reused_blocks:,} already stored; "
+            f"evicted {_plural(len(result.evicted), 'block')}"
+        )
