@@ -43,6 +43,7 @@ def chat(
     namespace: o.Namespace = "",
     store: o.Store = None,
     store_budget: o.StoreBudget = None,
+    store_session: o.StoreSession = None,
     block_size: o.BlockSize = 64,
     codec: o.Codec = "shuffle-zstd",
     device: o.Device = "auto",
@@ -64,6 +65,8 @@ def chat(
     if codec not in CODECS:
         raise ConfigError(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
     check_save_target(save or resume)
+    if store_session is not None and store is None:
+        raise ConfigError("--store-session needs --store DIR")
 
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     block_store = open_store(store, store_budget)
@@ -116,7 +119,9 @@ def chat(
             continue
         try:
             with ui.prefill_progress() as progress:
-                result = session.chat(text, params, system=system, on_text=ui.emit, on_progress=progress)
+                result = session.chat(
+                    text, params, system=system, on_text=ui.emit, on_progress=progress, store_session=store_session
+                )
         except KeyboardInterrupt:
             # Interrupted while reading the message in: the session is as it was before it.
             ui.emit("\n")

@@ -42,3 +42,7 @@ Store = Annotated[
 StoreBudget = Annotated[
     str | None, typer.Option(help="Disk budget for --store (200MB, 2GB or bytes); least recently used leaves go first.")
 ]
+StoreSession = Annotated[
+    str | None,
+    typer.Option(help="With --store: record the session under this name (for kvsnap store pin/export)."),
+]

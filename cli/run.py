@@ -43,6 +43,7 @@ def run(
     namespace: o.Namespace = "",
     store: o.Store = None,
     store_budget: o.StoreBudget = None,
+    store_session: o.StoreSession = None,
     block_size: o.BlockSize = 64,
     codec: o.Codec = "shuffle-zstd",
     device: o.Device = "auto",
@@ -73,6 +74,8 @@ def run(
     if on_mismatch not in ("error", "recompute"):
         raise ConfigError(f"--on-mismatch must be error or recompute, not {on_mismatch!r}")
     check_save_target(save)
+    if store_session is not None and (store is None or batch is not None):
+        raise ConfigError("--store-session needs --store DIR and a single prompt")
     defaults = SamplingParams(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -101,7 +104,15 @@ def run(
         )
         stream = None if json_out else ui.emit
         with ui.prefill_progress() as progress:
-            row = run_job(session, job, defaults, on_text=stream, on_progress=progress, on_mismatch=on_mismatch)
+            row = run_job(
+                session,
+                job,
+                defaults,
+                on_text=stream,
+                on_progress=progress,
+                on_mismatch=on_mismatch,
+                store_session=store_session,
+            )
         if row.get("restore_error"):
             ui.note(f"snapshot refused, recomputed from scratch: {row['restore_error']}")
         if json_out:

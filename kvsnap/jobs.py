@@ -136,7 +136,13 @@ def encode_text(tokenizer, text: str) -> list[int]:
 
 
 def run_job(
-    session, job: Job, defaults: SamplingParams, on_text=None, on_progress=None, on_mismatch: str = "error"
+    session,
+    job: Job,
+    defaults: SamplingParams,
+    on_text=None,
+    on_progress=None,
+    on_mismatch: str = "error",
+    store_session: str | None = None,
 ) -> dict[str, Any]:
     """Run one job on a fresh session state; returns its result row (raises ``KvsnapError`` on failure)."""
     session.reset()
@@ -144,7 +150,13 @@ def run_job(
     if job.resume is not None and not Path(job.resume).exists():
         raise ConfigError(f"{job.resume}: no such snapshot to resume")
     result = session.run(
-        ids, job.params(defaults), resume=job.resume, on_text=on_text, on_progress=on_progress, on_mismatch=on_mismatch
+        ids,
+        job.params(defaults),
+        resume=job.resume,
+        on_text=on_text,
+        on_progress=on_progress,
+        on_mismatch=on_mismatch,
+        store_session=store_session,
     )
     row: dict[str, Any] = {"id": job.id, **result.to_dict()}
     if job.save is not None:

@@ -233,29 +233,44 @@ class Session:
         self._encoded = {b.record.hash: b.encoded() for b in blocks if b.record.codec == self.codec}
         return RestoreStats("store", hit, hit, len(blocks), time.perf_counter() - t0)
 
-    def save_to_store(self) -> int:
-        """Add the session's full blocks to the block store (those already there are not encoded
-        again); returns how many blocks were new to the store."""
+    def save_to_store(self, name: str | None = None) -> int:
+        """Add the session's full blocks to the block store (blocks already there are not encoded
+        again); returns how many blocks were new to the store.
+
+        With ``name`` the whole session (sampled tokens run first, partial tail block, chat
+        messages and last logits included) is also recorded as a named store session, which
+        ``kvsnap store pin/export`` work on.
+        """
         assert self.store is not None
         from kvsnap.store import ChainInfo
 
+        if name is not None:
+            self.flush()
         bs = self.block_size
-        tokens = self.tokens[: len(self.tokens) // bs * bs]
+        tokens = self.tokens if name is not None else self.tokens[: len(self.tokens) // bs * bs]
         if not tokens:
             return 0
         root = self.root()
         known = len(self.store.lookup(tokens, root, bs, touch=False).hashes)
         hashes = hashing.chain_hashes(tokens, bs, root)
         blocks: list[EncodedBlock | None] = [None] * known
-        for i in range(known, len(hashes)):
-            block = self._encoded.get(hashes[i])
+        for i in range(known, -(-len(tokens) // bs)):
+            start, end = i * bs, min((i + 1) * bs, len(tokens))
+            h = hashes[i] if i < len(hashes) else None
+            block = self._encoded.get(h) if h is not None else None
             if block is None or (block.origin is not None and not block.still_valid()):
-                raw = kvcache.block_raw(self.cache, i * bs, (i + 1) * bs)
-                block = encode_block(raw, bs, hashes[i], self.lm.layout.itemsize, self.codec, self.level)
-                self._encoded[hashes[i]] = block
+                raw = kvcache.block_raw(self.cache, start, end)
+                block = encode_block(raw, end - start, h, self.lm.layout.itemsize, self.codec, self.level)
+                if h is not None:
+                    self._encoded[h] = block
             blocks.append(block)
         chain = ChainInfo(root, self.lm.name, self.lm.fingerprint, self.lm.layout, bs)
-        return self.store.put(chain, tokens, blocks, codec=self.codec, level=self.level).new_blocks
+        if name is None:
+            return self.store.put(chain, tokens, blocks, codec=self.codec, level=self.level).new_blocks
+        logits = self.last_logits.float().cpu().numpy() if self.last_logits is not None else None
+        return self.store.add_session(
+            name, chain, tokens, blocks, codec=self.codec, level=self.level, messages=self.messages, last_logits=logits
+        ).new_blocks
 
     # -- prefill and decode -------------------------------------------------------------------
 
@@ -327,6 +342,7 @@ class Session:
         on_text: TextFn | None = None,
         on_progress: ProgressFn | None = None,
         on_mismatch: str = "error",
+        store_session: str | None = None,
     ) -> TurnResult:
         """The whole path for one prompt: restore -> prefill the suffix -> decode.
 
@@ -351,7 +367,7 @@ class Session:
         t2 = time.perf_counter()
         gen = self.generate(params, on_text) if params.max_new_tokens > 0 else None
         t3 = time.perf_counter()
-        store_new = self.save_to_store() if self.store is not None else None
+        store_new = self.save_to_store(store_session) if self.store is not None else None
         first = gen.first_token_at if gen is not None else None
         return TurnResult(
             **prefix.Ledger.of(plan, seen).as_dict(),
@@ -387,8 +403,12 @@ class Session:
         system: str | None = None,
         on_text: TextFn | None = None,
         on_progress: ProgressFn | None = None,
+        store_session: str | None = None,
     ) -> TurnResult:
-        """One chat turn: append the user message, render, reuse what matches, answer."""
+        """One chat turn: append the user message, render, reuse what matches, answer.
+
+        With a block store and ``store_session``, the conversation is recorded there under that name.
+        """
         messages = list(self.messages or [])
         if not messages and system:
             messages.append({"role": "system", "content": system})
@@ -396,6 +416,8 @@ class Session:
         result = self.run(self.render_chat(messages), params, on_text=on_text, on_progress=on_progress)
         messages.append({"role": "assistant", "content": result.text})
         self.messages = messages
+        if self.store is not None and store_session is not None:
+            self.save_to_store(store_session)
         return result
 
     # -- save --------------------------------------------------------------------------------

@@ -87,3 +87,21 @@ def test_cli_batch_through_a_store_with_a_budget(tiny_model_dir, tmp_path):
     stats = BlockStore(store).stats()
     assert stats["hits"] >= 2 and stats["bytes"] <= 10_000_000
     assert CliRunner().invoke(app, ["run", "--model", model, "--prompt", "x", "--store-budget", "1MB"]).exit_code == 1
+
+
+def test_named_chat_session_in_the_store_pins_and_exports(llama, tmp_path):
+    store = BlockStore(tmp_path / "store")
+    session = Session(llama, block_size=8, store=store)
+    session.chat("hello there, this is a test of the store", GREEDY, store_session="mine")
+    session.chat("and a second turn", GREEDY, store_session="mine")
+    [record] = [s for s in store.sessions() if s.name == "mine"]
+    store.pin("mine")
+    out = tmp_path / "mine.kv"
+    store.export_session("mine", out)
+    resumed = Session(llama, block_size=8)
+    resumed.restore(out)
+    assert resumed.tokens == session.tokens and resumed.messages == session.messages
+    third = resumed.chat("a third turn", GREEDY)
+    # At least the conversation up to the last answer (a random model's answer may re-tokenize differently).
+    assert third.hit_tokens >= len(session.render_chat(session.messages[:-1]))
+    assert record.pinned is False and any(s.pinned for s in store.sessions() if s.name == "mine")
