@@ -46,6 +46,7 @@ def chat(
     store_session: o.StoreSession = None,
     block_size: o.BlockSize = 64,
     codec: o.Codec = "shuffle-zstd",
+    kv_dtype: o.KvDtype = None,
     device: o.Device = "auto",
     dtype: o.Dtype = "auto",
 ) -> None:
@@ -72,7 +73,13 @@ def chat(
     block_store = open_store(store, store_budget)
     lm = ui.load_model(model, device, dtype)
     session = Session(
-        lm, chunk_size=chunk_size, block_size=block_size, codec=codec, namespace=namespace, store=block_store
+        lm,
+        chunk_size=chunk_size,
+        block_size=block_size,
+        codec=codec,
+        namespace=namespace,
+        store=block_store,
+        kv_dtype=kv_dtype,
     )
     autosave = save or resume
     interactive = sys.stdin.isatty()

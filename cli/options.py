@@ -46,3 +46,10 @@ StoreSession = Annotated[
     str | None,
     typer.Option(help="With --store: record the session under this name (for kvsnap store pin/export)."),
 ]
+KvDtype = Annotated[
+    str | None,
+    typer.Option(
+        help="Store the KV in .kv files as float16 or bfloat16 (half the bytes of a float32 cache; lossy, "
+        "named in the file, never the default)."
+    ),
+]

@@ -46,6 +46,7 @@ def run(
     store_session: o.StoreSession = None,
     block_size: o.BlockSize = 64,
     codec: o.Codec = "shuffle-zstd",
+    kv_dtype: o.KvDtype = None,
     device: o.Device = "auto",
     dtype: o.Dtype = "auto",
 ) -> None:
@@ -89,7 +90,13 @@ def run(
     block_store = open_store(store, store_budget)
     lm = ui.load_model(model, device, dtype)
     session = Session(
-        lm, chunk_size=chunk_size, block_size=block_size, codec=codec, namespace=namespace, store=block_store
+        lm,
+        chunk_size=chunk_size,
+        block_size=block_size,
+        codec=codec,
+        namespace=namespace,
+        store=block_store,
+        kv_dtype=kv_dtype,
     )
 
     if batch is None:

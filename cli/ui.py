@@ -115,6 +115,13 @@ def save_line(stats: Any) -> str:
     )
 
 
+def _narrower(info: dict[str, Any]) -> str:
+    stored = info.get("storage_dtype")
+    if stored and stored != info["layout"]["dtype"]:
+        return f", KV stored as {stored} (lossy)"
+    return ""
+
+
 def human_bytes(n: int | None) -> str:
     if n is None:
         return "-"
@@ -141,7 +148,7 @@ def print_inspect(info: dict[str, Any]) -> None:
         ("tokens", f"{info['tokens']:,}"),
         ("blocks", f"{info['blocks']:,} x {info['block_size']} tokens"),
         ("cache", f"{lay['layers']} layers x {lay['kv_heads']} kv heads x {lay['head_dim']} ({lay['dtype']})"),
-        ("codec", f"{info['codec']} level {info['level']}"),
+        ("codec", f"{info['codec']} level {info['level']}" + _narrower(info)),
         ("raw KV", human_bytes(info["kv_bytes"])),
         ("file", f"{human_bytes(info['file_bytes'])}{ratio}"),
         ("last logits", "stored" if info["last_logits"] else "absent (a full hit recomputes one token)"),

@@ -141,13 +141,17 @@ def crop(cache: DynamicCache, length: int) -> None:
             layer.values = layer.values[..., :length, :]
 
 
-def block_raw(cache: DynamicCache, start: int, end: int) -> np.ndarray:
-    """Tokens ``[start, end)`` of the cache as raw bytes in the block layout (uint8, contiguous)."""
+def block_raw(cache: DynamicCache, start: int, end: int, dtype: str | None = None) -> np.ndarray:
+    """Tokens ``[start, end)`` of the cache as raw bytes in the block layout (uint8, contiguous),
+    cast to ``dtype`` first if given (a narrower storage width)."""
     # block: [layers, 2, kv_heads, tokens, head_dim]
     parts = []
     for layer in cache.layers:
         parts.append(torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end])))
-    block = torch.stack(parts).contiguous()
+    block = torch.stack(parts)
+    if dtype is not None and TORCH_DTYPES[dtype] != block.dtype:
+        block = block.to(TORCH_DTYPES[dtype])
+    block = block.contiguous()
     if block.device.type != "cpu":
         block = block.cpu()
     return block.view(torch.uint8).reshape(-1).numpy()
@@ -160,8 +164,18 @@ class Restorer:
     CUDA the blocks land in pinned host memory and move to the device in one non-blocking copy.
     """
 
-    def __init__(self, layout: KVLayout, num_tokens: int, device: torch.device, capacity: int | None = None):
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_tokens: int,
+        device: torch.device,
+        capacity: int | None = None,
+        storage_dtype: str | None = None,
+    ):
         self.layout = layout
+        # Blocks stored narrower than the cache (opt-in) are cast back as they are copied in.
+        self.source_dtype = TORCH_DTYPES[storage_dtype or layout.dtype]
+        self.source_bytes_per_token = layout.bytes_per_token // layout.itemsize * self.source_dtype.itemsize
         self.num_tokens = num_tokens
         self.device = device
         self.capacity = max(capacity or 0, num_tokens)
@@ -182,8 +196,8 @@ class Restorer:
             return
         # Runs in reader threads: no warnings.catch_warnings() here (it is not thread-safe); the
         # readers hand in writable scratch buffers, so torch has nothing to warn about.
-        src = torch.frombuffer(raw, dtype=torch.uint8, count=block_tokens * self.layout.bytes_per_token)
-        src = src.view(self.dtype).view(L, 2, H, block_tokens, D)
+        src = torch.frombuffer(raw, dtype=torch.uint8, count=block_tokens * self.source_bytes_per_token)
+        src = src.view(self.source_dtype).view(L, 2, H, block_tokens, D)
         self.staging[:, :, :, start : start + use].copy_(src[:, :, :, :use])
 
     def finish(self, config) -> DynamicCache:

@@ -84,6 +84,7 @@ def describe(
                 "head_dim": meta.layout.head_dim,
                 "dtype": meta.layout.dtype,
             },
+            "storage_dtype": meta.storage_layout.dtype,
             "kv_bytes": meta.kv_bytes,
             "stored_bytes": meta.stored_bytes,
             "file_bytes": snap.file_bytes,

@@ -28,7 +28,7 @@ from kvsnap import hashing, prefix
 from kvsnap.errors import ConfigError, SnapshotError
 from kvsnap.models import LoadedModel
 from kvsnap.runner import Generation, Runner, SamplingParams, generate
-from kvsnap.snapshot import EncodedBlock, Snapshot, encode_block, write_snapshot
+from kvsnap.snapshot import KV_DTYPES, EncodedBlock, Snapshot, encode_block, write_snapshot
 
 if TYPE_CHECKING:
     from kvsnap.store import BlockStore
@@ -107,6 +107,7 @@ class Session:
         codec: str = codecs.DEFAULT_CODEC,
         level: int = codecs.DEFAULT_LEVEL,
         store: BlockStore | None = None,
+        kv_dtype: str | None = None,
     ):
         if block_size < 1:
             raise ConfigError("block_size must be >= 1")
@@ -122,6 +123,12 @@ class Session:
         self.codec = codec
         self.level = level
         self.store = store
+        # Opt-in narrower storage of the KV in snapshots (lossy for a float32 cache); named in the file.
+        self.storage_dtype = kv_dtype or lm.layout.dtype
+        if self.storage_dtype not in KV_DTYPES:
+            raise ConfigError(f"unknown KV storage dtype {kv_dtype!r} (known: {', '.join(KV_DTYPES)})")
+        if store is not None and self.storage_dtype != lm.layout.dtype:
+            raise ConfigError("a narrower --kv-dtype is for .kv files; the block store keeps the cache's own dtype")
         self.reset()
 
     # -- state ------------------------------------------------------------------------------
@@ -183,7 +190,9 @@ class Session:
             num_blocks = -(-hit // meta.block_size)
             # Room for the suffix and a first answer, so they are written in place.
             room = max(len(prompt_ids or ()), hit) + _DECODE_ROOM
-            restorer = kvcache.Restorer(self.lm.layout, hit, self.lm.device, capacity=room)
+            restorer = kvcache.Restorer(
+                self.lm.layout, hit, self.lm.device, capacity=room, storage_dtype=meta.storage_layout.dtype
+            )
             starts = [i * meta.block_size for i in range(num_blocks)]
 
             def sink(index: int, raw) -> None:
@@ -194,7 +203,8 @@ class Session:
             logits = snap.last_logits() if whole else None
             cache = restorer.finish(self.lm.config)
             encoded = {}
-            if meta.block_size == self.block_size and meta.codec == self.codec:
+            same_encoding = (meta.codec, meta.storage_layout.dtype) == (self.codec, self.storage_dtype)
+            if meta.block_size == self.block_size and same_encoding:
                 for i in range(hit // meta.block_size):
                     block = snap.encoded_block(i, stored[i])
                     encoded[block.hash] = block
@@ -444,13 +454,12 @@ class Session:
             blocks.append(cached)
             if cached is None:
                 todo.append((i, start, end, h))
-        itemsize = self.lm.layout.itemsize
+        itemsize = KV_DTYPES[self.storage_dtype]
 
         def encode(job: tuple[int, int, int, bytes | None]) -> EncodedBlock:
             _, start, end, h = job
-            return encode_block(
-                kvcache.block_raw(self.cache, start, end), end - start, h, itemsize, self.codec, self.level
-            )
+            raw = kvcache.block_raw(self.cache, start, end, self.storage_dtype)
+            return encode_block(raw, end - start, h, itemsize, self.codec, self.level)
 
         with ThreadPoolExecutor(max_workers=_ENCODE_WORKERS) as pool:
             for (i, *_), block in zip(todo, pool.map(encode, todo)):
@@ -472,6 +481,7 @@ class Session:
             last_logits=logits,
             messages=self.messages,
             fingerprint_parts=self.lm.fingerprint_parts,
+            storage_dtype=self.storage_dtype,
         )
         self._encoded = {b.hash: b for b in final if b.hash is not None}
         return SaveStats(

@@ -130,6 +130,14 @@ class SnapshotMeta:
     created_at: float
     extra: dict[str, Any] = field(default_factory=dict)
     fingerprint_parts: dict[str, str] = field(default_factory=dict)
+    storage_dtype: str = ""  # dtype of the stored block bytes; "" means the layout's dtype
+
+    @property
+    def storage_layout(self) -> KVLayout:
+        """The layout the block bytes are in (the cache's, unless stored narrower)."""
+        if not self.storage_dtype or self.storage_dtype == self.layout.dtype:
+            return self.layout
+        return KVLayout(self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim, self.storage_dtype)
 
     @property
     def kv_bytes(self) -> int:
@@ -176,6 +184,7 @@ def write_snapshot(
     messages: Sequence[dict[str, str]] | None = None,
     extra: dict[str, Any] | None = None,
     fingerprint_parts: dict[str, str] | None = None,
+    storage_dtype: str | None = None,
 ) -> int:
     """Write a snapshot atomically; returns the file size.
 
@@ -222,6 +231,11 @@ def write_snapshot(
         "created_at": time.time(),
         "extra": extra or {},
     }
+    if storage_dtype is not None and storage_dtype != layout.dtype:
+        # Opt-in narrower storage of a float32 cache (lossy): blocks hold this dtype, restore casts back.
+        if storage_dtype not in KV_DTYPES:
+            raise ValueError(f"unknown storage dtype {storage_dtype!r}")
+        meta["storage_dtype"] = storage_dtype
     if fingerprint_parts:
         # Config, tokenizer, weights and KV dtype digests: lets a refusal say which one differs.
         meta["fingerprint_parts"] = dict(fingerprint_parts)
@@ -508,7 +522,7 @@ class Snapshot:
     ) -> bytes | bytearray | np.ndarray:
         info = self.meta.blocks[index]
         try:
-            return codecs.decode(stored, info.raw_bytes, self.meta.layout.itemsize, self.meta.codec, out)
+            return codecs.decode(stored, info.raw_bytes, self.meta.storage_layout.itemsize, self.meta.codec, out)
         except codecs.CodecError as exc:
             raise SnapshotError(f"{self.path}: block {index} does not decode ({exc})") from None
         except MemoryError:
@@ -693,6 +707,10 @@ def _meta_from_dict(raw: dict[str, Any]) -> SnapshotMeta:
         dtype,
     )
     block_size = _int(raw["block_size"], "block_size", 1, _MAX_BLOCK_SIZE)
+    storage_dtype = raw.get("storage_dtype", dtype)
+    if storage_dtype not in KV_DTYPES:
+        raise SnapshotError(f"unknown storage dtype {storage_dtype!r}")
+    stored_layout = KVLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, storage_dtype)
     codec = raw["codec"]
     if codec not in codecs.CODECS:
         raise SnapshotError(f"unknown codec {codec!r} (this kvsnap knows {', '.join(codecs.CODECS)})")
@@ -707,8 +725,10 @@ def _meta_from_dict(raw: dict[str, Any]) -> SnapshotMeta:
         if n != (block_size if full else num_tokens - i * block_size):
             raise SnapshotError(f"block {i} declares {n} tokens, inconsistent with the block size")
         raw_bytes = _int(b["raw_bytes"], f"blocks[{i}].raw_bytes", 0, _MAX_BLOCK_BYTES)
-        if raw_bytes != n * layout.bytes_per_token:
-            raise SnapshotError(f"block {i} declares {raw_bytes} raw bytes, expected {n * layout.bytes_per_token}")
+        if raw_bytes != n * stored_layout.bytes_per_token:
+            raise SnapshotError(
+                f"block {i} declares {raw_bytes} raw bytes, expected {n * stored_layout.bytes_per_token}"
+            )
         # No codec output may exceed its input by more than a small header: bounds decompression input too.
         stored = _int(b["stored_bytes"], f"blocks[{i}].stored_bytes", 0, raw_bytes + 4096)
         # ... and the raw size by what the stored bytes can decode to: a small file cannot make a reader
@@ -750,6 +770,7 @@ def _meta_from_dict(raw: dict[str, Any]) -> SnapshotMeta:
         created_at=float(created) if isinstance(created, (int, float)) else 0.0,
         extra=extra,
         fingerprint_parts=_parts(raw.get("fingerprint_parts")),
+        storage_dtype=storage_dtype if storage_dtype != dtype else "",
     )
 
 
