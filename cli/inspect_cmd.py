@@ -29,7 +29,8 @@ def inspect(
 
     with Snapshot(file) as snap:
         model = snap.meta.model
-    tokenizer = describe.find_tokenizer(model)
+        hint = snap.meta.extra.get("model_folder")
+    tokenizer = describe.find_tokenizer(model, hint if isinstance(hint, str) else None)
     prompt_ids = None
     if prompt is not None or prompt_file is not None:
         if tokenizer is None:

@@ -40,20 +40,28 @@ class LightTokenizer:
         return self._hf.decode(ids, skip_special_tokens=False)
 
 
-def find_tokenizer(model: str) -> LightTokenizer | None:
-    """The tokenizer of a snapshot's model if it is on this machine (never converts or downloads)."""
+def find_tokenizer(model: str, folder_hint: str | None = None) -> LightTokenizer | None:
+    """The tokenizer of a snapshot's model if it is on this machine (never converts or downloads).
+
+    ``model`` is the name the snapshot was made with (the default model's alias, a folder, a
+    .gguf file, a hub id); ``folder_hint`` the model folder the writer loaded, which snapshots
+    record, so models known by another name are found too.
+    """
+    candidates = []
     if model == models.DEFAULT_MODEL:
-        folder = models.kvsnap_home() / "models" / models.DEFAULT_MODEL
-        if not models.is_ready(folder):
-            return None
+        candidates.append(models.kvsnap_home() / "models" / models.DEFAULT_MODEL)
     else:
-        folder = Path(model).expanduser()
+        candidates.append(Path(model).expanduser())
+    if folder_hint:
+        candidates.append(Path(folder_hint))
+    for folder in candidates:
         if not (folder / "config.json").is_file():
-            return None
-    try:
-        return LightTokenizer(folder)
-    except Exception:
-        return None
+            continue
+        try:
+            return LightTokenizer(folder)
+        except Exception:
+            continue
+    return None
 
 
 def describe(

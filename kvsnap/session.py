@@ -482,6 +482,7 @@ class Session:
             messages=self.messages,
             fingerprint_parts=self.lm.fingerprint_parts,
             storage_dtype=self.storage_dtype,
+            extra={"model_folder": str(Path(self.lm.folder).resolve())},
         )
         self._encoded = {b.hash: b for b in final if b.hash is not None}
         return SaveStats(

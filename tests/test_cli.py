@@ -244,3 +244,14 @@ def test_batch_refuses_flags_it_would_ignore(model, tmp_path):
 def test_save_into_a_missing_folder_fails_before_the_model_loads(model, tmp_path):
     result = invoke("run", *base(model), "--prompt", "x", "--save", str(tmp_path / "no" / "x.kv"))
     assert result.exit_code == 1 and "does not exist" in result.stderr and "loading" not in result.stderr
+
+
+def test_inspect_finds_the_tokenizer_of_a_model_named_by_a_relative_path(tiny_model_dir, tmp_path, monkeypatch):
+    model = tiny_model_dir("llama")
+    monkeypatch.chdir(model.parent)
+    snap = tmp_path / "rel.kv"
+    assert invoke("run", "--model", f"./{model.name}", "--device", "cpu", "--prompt", DOC, "--max-new-tokens", "0",
+                  "--save", str(snap)).exit_code == 0  # fmt: skip
+    monkeypatch.chdir(tmp_path)  # "./llama" means nothing here; the recorded folder still does
+    info = json.loads(invoke("inspect", str(snap), "--json", "--prompt", DOC).stdout)
+    assert info["preview_start"] and info["hit_tokens"] > 0
