@@ -289,7 +289,7 @@ def _atomic_write(path: Path, parts: list[bytes | memoryview]) -> int:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
                 raise
-            _fsync_dir(folder)
+            fsync_dir(folder)
     except SaveError:
         raise
     except OSError as exc:
@@ -299,7 +299,7 @@ def _atomic_write(path: Path, parts: list[bytes | memoryview]) -> int:
     return size
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     # The rename is durable only once the folder's entry is on disk.
     try:
         dir_fd = os.open(folder, os.O_RDONLY)

@@ -44,7 +44,7 @@ from kvsnap.blockindex import (
     block_keys,
 )
 from kvsnap.errors import ConfigError
-from kvsnap.snapshot import EncodedBlock, KVLayout, Snapshot, checksum, encode_block, write_snapshot
+from kvsnap.snapshot import EncodedBlock, KVLayout, Snapshot, checksum, encode_block, fsync_dir, write_snapshot
 
 __all__ = [
     "BlockRecord",
@@ -491,10 +491,10 @@ class BlockStore:
             yield t
             if write:
                 for folder in t.dirs:
-                    _fsync_dir(folder)
+                    fsync_dir(folder)
                 data = json.dumps(t.index.to_json(), separators=(",", ":"), ensure_ascii=True).encode()
                 _write_file(self._index_path, data)
-                _fsync_dir(self.path)
+                fsync_dir(self.path)
                 # Only now that the index no longer names them.
                 for p in t.doomed:
                     with contextlib.suppress(OSError):
@@ -698,20 +698,6 @@ def _write_file(path: Path, data: bytes | memoryview) -> None:
             # The transaction ends without writing the index: the store is as it was (gc removes new files).
             raise StoreError(f"{path}: cannot write ({exc.strerror or exc})") from None
         raise
-
-
-def _fsync_dir(folder: Path) -> None:
-    # A rename is durable only once the folder's entry is on disk.
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager
