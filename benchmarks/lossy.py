@@ -1,4 +1,4 @@
-"""Narrower KV storage (--kv-dtype): size against raw and llama.cpp, and what it costs in quality.
+"""Lossy KV storage (--kv-dtype, --codec int8-zstd): size against raw and llama.cpp, and its cost in quality.
 
 A 2k-token document is saved losslessly and with each narrower storage dtype. Each snapshot is
 restored and the same 32-token question plus the 128 tokens the lossless resume generated
@@ -55,17 +55,23 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         paths = {}
-        for kv_dtype in (None, "float16", "bfloat16"):
-            session = Session(lm, kv_dtype=kv_dtype)
+        variants = {
+            None: {},
+            "float16": {"kv_dtype": "float16"},
+            "bfloat16": {"kv_dtype": "bfloat16"},
+            "int8 (codec int8-zstd)": {"codec": "int8-zstd"},
+        }
+        for name, settings in variants.items():
+            session = Session(lm, **settings)
             session.prefill(prefix)
-            paths[kv_dtype] = Path(tmp) / f"{kv_dtype or 'lossless'}.kv"
-            session.save(paths[kv_dtype])
+            paths[name] = Path(tmp) / f"{len(paths)}.kv"
+            session.save(paths[name])
         ref_session = Session(lm)
         ref_session.run(ids, SamplingParams(max_new_tokens=args.new, temperature=0), resume=paths[None])
         follow = question + ref_session.all_tokens[len(ids) :]
         follow = follow[: QUESTION + args.new - 1]
         ref = teacher_forced_logits(lm, paths[None], prefix, follow)[QUESTION - 1 :]
-        for kv_dtype, path in paths.items():
+        for name, path in paths.items():
             logits = teacher_forced_logits(lm, path, prefix, follow)[QUESTION - 1 :]
             agree = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
             kl = torch.nn.functional.kl_div(
@@ -76,7 +82,7 @@ def main() -> None:
             file_bytes = path.stat().st_size
             rows.append(
                 {
-                    "storage": kv_dtype or "float32 (lossless)",
+                    "storage": name or "float32 (lossless)",
                     "file_mb": file_bytes / 1e6,
                     "vs_raw": file_bytes / kv_bytes,
                     "bytes_per_token": file_bytes / len(prefix),

@@ -55,7 +55,7 @@ def chat(
     Reads one message per line. When stdin is not a terminal (a pipe or a file), each line is a
     user message and /exit or end of input ends the chat.
     """
-    from kvsnap.codec import CODECS
+    from kvsnap.codec import ALL_CODECS
     from kvsnap.errors import ConfigError, SnapshotError
     from kvsnap.jobs import check_save_target
     from kvsnap.runner import SamplingParams
@@ -63,8 +63,8 @@ def chat(
 
     if on_mismatch not in ("ask", "error", "recompute"):
         raise ConfigError(f"--on-mismatch must be ask, error or recompute, not {on_mismatch!r}")
-    if codec not in CODECS:
-        raise ConfigError(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
+    if codec not in ALL_CODECS:
+        raise ConfigError(f"unknown codec {codec!r} (known: {', '.join(ALL_CODECS)})")
     check_save_target(save or resume)
     if store_session is not None and store is None:
         raise ConfigError("--store-session needs --store DIR")

@@ -19,7 +19,13 @@ ChunkSize = Annotated[int, typer.Option(min=1, help="Prefill the uncached suffix
 Device = Annotated[str, typer.Option(help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.")]
 Dtype = Annotated[str, typer.Option(help="auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16 or float16.")]
 BlockSize = Annotated[int, typer.Option(min=1, help="Tokens per snapshot block (the unit of hashing and storage).")]
-Codec = Annotated[str, typer.Option(help="Snapshot codec: shuffle-zstd (default, lossless), zstd or raw.")]
+Codec = Annotated[
+    str,
+    typer.Option(
+        help="Snapshot codec: shuffle-zstd (default, lossless), zstd, raw, or int8-zstd (lossy, about a quarter "
+        "of the raw size; named in the file)."
+    ),
+]
 Stop = Annotated[list[str] | None, typer.Option("--stop", help="Stop generating at this string (repeatable).")]
 Resume = Annotated[Path | None, typer.Option(help="Snapshot (.kv) to reuse as the prefix cache.")]
 Save = Annotated[Path | None, typer.Option(help="Write the session to this .kv file after the run.")]

@@ -58,7 +58,7 @@ def run(
 
       kvsnap run --prompt-file doc.txt --prompt "Q: who wrote it? A:" --resume doc.kv --json
     """
-    from kvsnap.codec import CODECS
+    from kvsnap.codec import ALL_CODECS
     from kvsnap.errors import ConfigError, KvsnapError
     from kvsnap.jobs import Job, check_save_target, error_row, parse_jobs, run_job
     from kvsnap.runner import SamplingParams
@@ -70,8 +70,8 @@ def run(
         raise ConfigError("--batch cannot be combined with --prompt or --prompt-file")
     if batch is not None and (save is not None or chat or system is not None):
         raise ConfigError('with --batch, give "save", "chat" and "system" per job in the JSONL file')
-    if codec not in CODECS:
-        raise ConfigError(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
+    if codec not in ALL_CODECS:
+        raise ConfigError(f"unknown codec {codec!r} (known: {', '.join(ALL_CODECS)})")
     if on_mismatch not in ("error", "recompute"):
         raise ConfigError(f"--on-mismatch must be error or recompute, not {on_mismatch!r}")
     check_save_target(save)

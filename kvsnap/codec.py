@@ -16,7 +16,11 @@ import threading
 import numpy as np
 import zstandard as zstd
 
-CODECS = ("shuffle-zstd", "zstd", "raw")
+CODECS = ("shuffle-zstd", "zstd", "raw")  # lossless: decode gives back the exact bytes
+# Opt-in, lossy, never the default: int8 with one float32 scale per group of 64 values, then zstd.
+LOSSY_CODECS = ("int8-zstd",)
+ALL_CODECS = CODECS + LOSSY_CODECS
+INT8_GROUP = 64
 DEFAULT_CODEC = "shuffle-zstd"
 DEFAULT_LEVEL = 1
 
@@ -70,8 +74,16 @@ def _zstd_decode(data: bytes | memoryview, size: int) -> bytes:
     return out
 
 
-def encode(raw: bytes | memoryview, itemsize: int, codec: str = DEFAULT_CODEC, level: int = DEFAULT_LEVEL) -> bytes:
-    """Encode ``raw`` (elements of ``itemsize`` bytes) with ``codec``."""
+def encode(
+    raw: bytes | memoryview,
+    itemsize: int,
+    codec: str = DEFAULT_CODEC,
+    level: int = DEFAULT_LEVEL,
+    dtype: str | None = None,
+) -> bytes:
+    """Encode ``raw`` (elements of ``itemsize`` bytes; ``dtype`` names them, needed by lossy codecs)."""
+    if codec == "int8-zstd":
+        return _compressor(level).compress(_int8_payload(raw, _float_dtype(dtype, itemsize)))
     if codec == "raw":
         return bytes(raw)
     if codec == "zstd":
@@ -82,7 +94,12 @@ def encode(raw: bytes | memoryview, itemsize: int, codec: str = DEFAULT_CODEC, l
 
 
 def decode(
-    stored: bytes | memoryview, raw_size: int, itemsize: int, codec: str, out: np.ndarray | None = None
+    stored: bytes | memoryview,
+    raw_size: int,
+    itemsize: int,
+    codec: str,
+    out: np.ndarray | None = None,
+    dtype: str | None = None,
 ) -> bytes | bytearray | np.ndarray:
     """Decode ``stored`` back to exactly ``raw_size`` bytes, or raise ``CodecError``.
 
@@ -104,6 +121,8 @@ def decode(
         return out[:raw_size]
     if codec == "shuffle-zstd":
         return _decode_shuffled(stored, raw_size, itemsize, out)
+    if codec == "int8-zstd":
+        return _decode_int8(stored, raw_size, _float_dtype(dtype, itemsize), out)
     raise CodecError(f"unknown codec {codec!r}")
 
 
@@ -127,7 +146,72 @@ def _encode_shuffled(raw: bytes | memoryview, itemsize: int, level: int) -> byte
 
 def max_decoded_size(codec: str, stored_size: int) -> int:
     """The most raw bytes ``stored_size`` stored bytes can decode to with ``codec`` (a sound bound)."""
-    return stored_size if codec == "raw" else stored_size * ZSTD_MAX_RATIO
+    if codec == "raw":
+        return stored_size
+    # int8 turns each decompressed byte back into at most 4 (float32).
+    return stored_size * ZSTD_MAX_RATIO * (4 if codec == "int8-zstd" else 1)
+
+
+# -- int8 (lossy) ----------------------------------------------------------------------------
+
+_FLOAT_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _float_dtype(dtype: str | None, itemsize: int) -> str:
+    if dtype is None:
+        if itemsize != 4:
+            raise CodecError("the int8 codec needs the dtype of 2-byte values (float16 or bfloat16)")
+        dtype = "float32"
+    if _FLOAT_ITEMSIZE.get(dtype) != itemsize:
+        raise CodecError(f"dtype {dtype!r} does not have {itemsize}-byte elements")
+    return dtype
+
+
+def _to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "float32":
+        return raw.view("<f4")
+    if dtype == "float16":
+        return raw.view("<f2").astype(np.float32)
+    return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)  # bfloat16: the high half of a float32
+
+
+def _from_float32(values: np.ndarray, dtype: str, out: np.ndarray) -> None:
+    if dtype == "float32":
+        out.view("<f4")[:] = values
+    elif dtype == "float16":
+        out.view("<f2")[:] = values
+    else:  # bfloat16, rounded to nearest even
+        bits = values.astype(np.float32).view(np.uint32)
+        out.view("<u2")[:] = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _int8_payload(raw: bytes | memoryview, dtype: str) -> bytes:
+    values = np.nan_to_num(_to_float32(np.frombuffer(raw, dtype=np.uint8), dtype), posinf=0.0, neginf=0.0)
+    n = values.size
+    groups = -(-n // INT8_GROUP)
+    padded = np.zeros(groups * INT8_GROUP, dtype=np.float32)
+    padded[:n] = values
+    grid = padded.reshape(groups, INT8_GROUP)
+    scale = np.abs(grid).max(axis=1) / 127.0
+    scale[scale == 0] = 1.0
+    q = np.clip(np.rint(grid / scale[:, None]), -127, 127).astype(np.int8).reshape(-1)[:n]
+    return scale.astype("<f4").tobytes() + q.tobytes()
+
+
+def _decode_int8(stored: bytes | memoryview, raw_size: int, dtype: str, out: np.ndarray | None) -> bytes | np.ndarray:
+    itemsize = _FLOAT_ITEMSIZE[dtype]
+    if raw_size % itemsize:
+        raise CodecError(f"declared size {raw_size} is not a multiple of {itemsize}")
+    n = raw_size // itemsize
+    groups = -(-n // INT8_GROUP)
+    payload = _zstd_decode(stored, groups * 4 + n)
+    scale = np.frombuffer(payload, dtype="<f4", count=groups)
+    q = np.zeros(groups * INT8_GROUP, dtype=np.float32)
+    q[:n] = np.frombuffer(payload, dtype=np.int8, offset=groups * 4)
+    values = (q.reshape(groups, INT8_GROUP) * scale[:, None]).reshape(-1)[:n]
+    target = np.empty(raw_size, dtype=np.uint8) if out is None else out[:raw_size]
+    _from_float32(values, dtype, target)
+    return target.tobytes() if out is None else target
 
 
 def _decode_shuffled(

@@ -113,8 +113,10 @@ class Session:
             raise ConfigError("block_size must be >= 1")
         if chunk_size < 1:
             raise ConfigError("chunk_size must be >= 1")
-        if codec not in codecs.CODECS:
-            raise ConfigError(f"unknown codec {codec!r} (known: {', '.join(codecs.CODECS)})")
+        if codec not in codecs.ALL_CODECS:
+            raise ConfigError(f"unknown codec {codec!r} (known: {', '.join(codecs.ALL_CODECS)})")
+        if store is not None and codec in codecs.LOSSY_CODECS:
+            raise ConfigError("a lossy codec is for .kv files; blocks in the store are shared and kept exact")
         self.lm = lm
         self.runner = Runner(lm)
         self.block_size = block_size
@@ -459,7 +461,7 @@ class Session:
         def encode(job: tuple[int, int, int, bytes | None]) -> EncodedBlock:
             _, start, end, h = job
             raw = kvcache.block_raw(self.cache, start, end, self.storage_dtype)
-            return encode_block(raw, end - start, h, itemsize, self.codec, self.level)
+            return encode_block(raw, end - start, h, itemsize, self.codec, self.level, self.storage_dtype)
 
         with ThreadPoolExecutor(max_workers=_ENCODE_WORKERS) as pool:
             for (i, *_), block in zip(todo, pool.map(encode, todo)):

@@ -159,8 +159,9 @@ def encode_block(
     itemsize: int,
     codec: str = codecs.DEFAULT_CODEC,
     level: int = codecs.DEFAULT_LEVEL,
+    dtype: str | None = None,
 ) -> EncodedBlock:
-    stored = codecs.encode(raw, itemsize, codec, level)
+    stored = codecs.encode(raw, itemsize, codec, level, dtype)
     return EncodedBlock(num_tokens, hash_, len(raw), stored, checksum(stored))
 
 
@@ -522,7 +523,8 @@ class Snapshot:
     ) -> bytes | bytearray | np.ndarray:
         info = self.meta.blocks[index]
         try:
-            return codecs.decode(stored, info.raw_bytes, self.meta.storage_layout.itemsize, self.meta.codec, out)
+            layout = self.meta.storage_layout
+            return codecs.decode(stored, info.raw_bytes, layout.itemsize, self.meta.codec, out, layout.dtype)
         except codecs.CodecError as exc:
             raise SnapshotError(f"{self.path}: block {index} does not decode ({exc})") from None
         except MemoryError:
@@ -712,8 +714,8 @@ def _meta_from_dict(raw: dict[str, Any]) -> SnapshotMeta:
         raise SnapshotError(f"unknown storage dtype {storage_dtype!r}")
     stored_layout = KVLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, storage_dtype)
     codec = raw["codec"]
-    if codec not in codecs.CODECS:
-        raise SnapshotError(f"unknown codec {codec!r} (this kvsnap knows {', '.join(codecs.CODECS)})")
+    if codec not in codecs.ALL_CODECS:
+        raise SnapshotError(f"unknown codec {codec!r} (this kvsnap knows {', '.join(codecs.ALL_CODECS)})")
     num_tokens = _int(raw["num_tokens"], "num_tokens", 0, _MAX_TOKENS)
     blocks_raw = raw["blocks"]
     if not isinstance(blocks_raw, list) or len(blocks_raw) != -(-num_tokens // block_size):

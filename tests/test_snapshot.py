@@ -257,9 +257,9 @@ def test_read_blocks_touches_only_the_blocks_asked_for(tmp_path, monkeypatch):
         read_indices.append(index)
         return original_read_stored(self, index)
 
-    def counting_decode(stored, raw_size, itemsize, codec, out=None):
+    def counting_decode(stored, raw_size, itemsize, codec, out=None, dtype=None):
         decoded_sizes.append(raw_size)
-        return original_decode(stored, raw_size, itemsize, codec, out)
+        return original_decode(stored, raw_size, itemsize, codec, out, dtype)
 
     monkeypatch.setattr(Snapshot, "read_stored", counting_read_stored)
     monkeypatch.setattr(codecs, "decode", counting_decode)
