@@ -187,7 +187,7 @@ def _command(text: str, session, autosave: Path | None, system: str | None) -> b
         layout = session.lm.layout
         turns = sum(1 for m in (session.messages or []) if m["role"] == "user")
         ui.note(
-            f"{session.num_tokens:,} tokens in the session ({turns} turns), raw KV "
+            f"{session.num_tokens:,} tokens in the session ({turns} turn{'s' if turns != 1 else ''}), raw KV "
             f"{ui.human_bytes(session.num_tokens * layout.bytes_per_token)}, model {session.lm.name} "
             f"on {session.lm.device} ({layout.dtype}), forward saw {session.runner.tokens_seen:,} tokens so far"
         )
