@@ -1,0 +1,106 @@
+"""Whole-or-nothing file writes: a temp file in the same folder, fsync, rename, folder fsync.
+
+Used for ``.kv`` snapshots and the block store. Writers into one folder take turns under an
+advisory ``fcntl`` lock on the folder; a temp file a killed writer left is removed by the next
+write of the same target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from kvsnap.errors import SaveError
+
+
+def atomic_write(path: Path, parts: list[bytes | memoryview]) -> int:
+    # Write through a symlink to the file it names, as an in-place writer would.
+    path = Path(os.path.realpath(path))
+    folder = path.parent
+    try:
+        with _locked(folder):
+            # Under the lock no other writer is active: any temp file of this target is a crash's leftover.
+            remove_stale_temps(path)
+            try:
+                mode = os.stat(path).st_mode & 0o777
+            except OSError:
+                umask = os.umask(0)
+                os.umask(umask)
+                mode = 0o666 & ~umask
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+            try:
+                os.fchmod(fd, mode)  # mkstemp makes 0600; keep the permissions a plain write would give
+                with os.fdopen(fd, "wb") as f:
+                    for part in parts:
+                        f.write(part)
+                    f.flush()
+                    os.fsync(f.fileno())
+                    size = f.tell()
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            fsync_dir(folder)
+    except SaveError:
+        raise
+    except OSError as exc:
+        err = SaveError(f"{path}: cannot save ({exc.strerror or exc}); the previous file is unchanged")
+        err.errno = exc.errno
+        raise err from None
+    return size
+
+
+def fsync_dir(folder: Path) -> None:
+    # The rename is durable only once the folder's entry is on disk.
+    try:
+        dir_fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
+
+
+@contextlib.contextmanager
+def _locked(folder: Path):
+    """An exclusive advisory lock (fcntl) on the folder: writers into it take turns.
+
+    Locking the folder rather than a sidecar file leaves nothing behind; saves are short, so
+    writers of other files in the same folder waiting a moment costs little.
+    """
+    try:
+        import fcntl
+    except ImportError:  # no fcntl (Windows): atomic rename still keeps every file whole
+        yield
+        return
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        yield  # an unreadable folder cannot be locked; the rename still keeps files whole
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def remove_stale_temps(path: Path) -> list[Path]:
+    """Delete temp files a crashed save of ``path`` left behind; returns what was removed."""
+    folder = path.parent if str(path.parent) else Path(".")
+    pattern = re.compile(rf"^\.{re.escape(path.name)}\.[A-Za-z0-9_]{{8}}\.tmp$")
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(folder):
+            if pattern.match(entry.name):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+                    removed.append(Path(entry.path))
+    return removed

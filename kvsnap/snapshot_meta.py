@@ -1,0 +1,274 @@
+"""The ``.kv`` format's values and its metadata parser: what a snapshot declares, checked.
+
+Every field of ``__metadata__["kvsnap"]`` is validated here (types, ranges, consistency between
+token counts, block sizes and byte sizes) before any block is read, so a damaged or hostile
+header ends in one ``SnapshotError`` line and bounds everything read later. No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from kvsnap import codec as codecs
+from kvsnap import hashing
+from kvsnap.errors import SnapshotError, SnapshotVersionError
+
+FORMAT_VERSION = 1
+READABLE_VERSIONS = (1,)
+KV_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_MAX_TOKENS = 1 << 26
+_MAX_LAYOUT_DIM = 1 << 16
+# Absolute bounds on what one block may claim, whatever the codec's ratio allows: a few hostile
+# bytes must not make a reader zero-fill gigabytes.
+_MAX_BLOCK_SIZE = 1 << 16
+_MAX_BLOCK_BYTES = 1 << 30
+
+
+def checksum(data: bytes | memoryview | np.ndarray) -> str:
+    """Integrity checksum (not a security hash): xxh3-64, hex."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Shape of one token's KV across the model: ``[layers, 2, kv_heads, head_dim]`` of ``dtype``."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # "float32" | "bfloat16" | "float16"
+
+    @property
+    def itemsize(self) -> int:
+        return KV_DTYPES[self.dtype]
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedBlock:
+    """One block as stored: kept by sessions so the next save does not encode it again."""
+
+    num_tokens: int
+    hash: bytes | None  # chained hash; None for a partial tail block
+    raw_bytes: int
+    stored: bytes | memoryview  # a view of the file it was read from, or fresh bytes
+    checksum: str
+    origin: Any = field(default=None, compare=False, repr=False)  # (mmap, size) when ``stored`` views a mapped file
+
+    def still_valid(self) -> bool:
+        """Whether ``stored`` can still be read and is what it was.
+
+        A view of a file that someone truncated in place would fault (SIGBUS) when touched, so
+        the mapped file's size is checked first; then the checksum catches same-size edits.
+        """
+        if self.origin is not None:
+            mm, size = self.origin
+            try:
+                if mm.closed or mm.size() < size:
+                    return False
+            except (OSError, ValueError):
+                return False
+        return checksum(self.stored) == self.checksum
+
+
+@dataclass(frozen=True, slots=True)
+class BlockInfo:
+    index: int
+    num_tokens: int
+    hash: bytes | None
+    raw_bytes: int
+    stored_bytes: int
+    checksum: str
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotMeta:
+    format_version: int
+    model: str
+    fingerprint: str
+    root: bytes
+    layout: KVLayout
+    block_size: int
+    codec: str
+    level: int
+    num_tokens: int
+    tokens_checksum: str
+    blocks: tuple[BlockInfo, ...]
+    logits_checksum: str | None
+    messages: tuple[dict[str, str], ...] | None
+    created_at: float
+    extra: dict[str, Any] = field(default_factory=dict)
+    fingerprint_parts: dict[str, str] = field(default_factory=dict)
+    storage_dtype: str = ""  # dtype of the stored block bytes; "" means the layout's dtype
+
+    @property
+    def storage_layout(self) -> KVLayout:
+        """The layout the block bytes are in (the cache's, unless stored narrower)."""
+        if not self.storage_dtype or self.storage_dtype == self.layout.dtype:
+            return self.layout
+        return KVLayout(self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim, self.storage_dtype)
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_tokens * self.layout.bytes_per_token
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(b.stored_bytes for b in self.blocks)
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        return [b.hash for b in self.blocks if b.hash is not None]
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:200]
+
+
+def _parse_meta(header_meta: dict[str, str] | None) -> SnapshotMeta:
+    if not header_meta or "kvsnap" not in header_meta:
+        raise SnapshotError("not a kvsnap snapshot (safetensors file without kvsnap metadata)")
+    text = header_meta["kvsnap"]
+    if checksum(text.encode("utf-8", "surrogatepass")) != header_meta.get("kvsnap_checksum"):
+        raise SnapshotError("metadata fails its checksum")
+    try:
+        raw = json.loads(text)
+    except (ValueError, RecursionError):
+        raise SnapshotError("metadata is not valid JSON") from None
+    if not isinstance(raw, dict):
+        raise SnapshotError("metadata is not a JSON object")
+    version = raw.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise SnapshotError("metadata has no format_version")
+    if version not in READABLE_VERSIONS:
+        newer = "newer than" if version > FORMAT_VERSION else "not one"
+        raise SnapshotVersionError(
+            f"format version {version} is {newer} this kvsnap supports (reads {', '.join(map(str, READABLE_VERSIONS))})"
+        )
+    try:
+        return _meta_from_dict(raw)
+    except SnapshotError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SnapshotError(f"metadata is malformed ({type(exc).__name__}: {_one_line(exc)})") from None
+
+
+def chat_messages(value: Any) -> tuple[dict[str, str], ...] | None | bool:
+    """``value`` as a tuple of ``{"role", "content"}`` string dicts; None if absent, False if malformed."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+    ):
+        return False
+    return tuple({"role": m["role"], "content": m["content"]} for m in value)
+
+
+def _int(value: Any, name: str, lo: int, hi: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise SnapshotError(f"metadata field {name} is {value!r}, expected an integer in [{lo}, {hi}]")
+    return value
+
+
+def _str(value: Any, name: str) -> str:
+    if not isinstance(value, str) or len(value) > 4096:
+        raise SnapshotError(f"metadata field {name} is not a string")
+    return value
+
+
+def _meta_from_dict(raw: dict[str, Any]) -> SnapshotMeta:
+    if raw.get("hash_scheme") != hashing.HASH_SCHEME:
+        raise SnapshotError(f"unknown hash scheme {raw.get('hash_scheme')!r}")
+    lay = raw["layout"]
+    dtype = lay["dtype"]
+    if dtype not in KV_DTYPES:
+        raise SnapshotError(f"unknown KV dtype {dtype!r}")
+    layout = KVLayout(
+        _int(lay["layers"], "layers", 1, _MAX_LAYOUT_DIM),
+        _int(lay["kv_heads"], "kv_heads", 1, _MAX_LAYOUT_DIM),
+        _int(lay["head_dim"], "head_dim", 1, _MAX_LAYOUT_DIM),
+        dtype,
+    )
+    block_size = _int(raw["block_size"], "block_size", 1, _MAX_BLOCK_SIZE)
+    storage_dtype = raw.get("storage_dtype", dtype)
+    if storage_dtype not in KV_DTYPES:
+        raise SnapshotError(f"unknown storage dtype {storage_dtype!r}")
+    stored_layout = KVLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, storage_dtype)
+    codec = raw["codec"]
+    if codec not in codecs.ALL_CODECS:
+        raise SnapshotError(f"unknown codec {codec!r} (this kvsnap knows {', '.join(codecs.ALL_CODECS)})")
+    num_tokens = _int(raw["num_tokens"], "num_tokens", 0, _MAX_TOKENS)
+    blocks_raw = raw["blocks"]
+    if not isinstance(blocks_raw, list) or len(blocks_raw) != -(-num_tokens // block_size):
+        raise SnapshotError("block list does not match the token count")
+    blocks = []
+    for i, b in enumerate(blocks_raw):
+        full = i < num_tokens // block_size
+        n = _int(b["tokens"], f"blocks[{i}].tokens", 1, block_size)
+        if n != (block_size if full else num_tokens - i * block_size):
+            raise SnapshotError(f"block {i} declares {n} tokens, inconsistent with the block size")
+        raw_bytes = _int(b["raw_bytes"], f"blocks[{i}].raw_bytes", 0, _MAX_BLOCK_BYTES)
+        if raw_bytes != n * stored_layout.bytes_per_token:
+            raise SnapshotError(
+                f"block {i} declares {raw_bytes} raw bytes, expected {n * stored_layout.bytes_per_token}"
+            )
+        # No codec output may exceed its input by more than a small header: bounds decompression input too.
+        stored = _int(b["stored_bytes"], f"blocks[{i}].stored_bytes", 0, raw_bytes + 4096)
+        # ... and the raw size by what the stored bytes can decode to: a small file cannot make a reader
+        # allocate gigabytes (decode and the threads' scratch buffers are sized by raw_bytes).
+        if raw_bytes > codecs.max_decoded_size(codec, stored):
+            raise SnapshotError(f"block {i} declares {raw_bytes} raw bytes, more than {stored} stored bytes can hold")
+        h = b["hash"]
+        if full != (h is not None):
+            raise SnapshotError(f"block {i} hash presence is inconsistent with its size")
+        hash_ = bytes.fromhex(_str(h, "hash")) if h is not None else None
+        if hash_ is not None and len(hash_) != hashing.DIGEST_SIZE:
+            raise SnapshotError(f"block {i} hash has the wrong length")
+        blocks.append(BlockInfo(i, n, hash_, raw_bytes, stored, _str(b["checksum"], "checksum")))
+    messages = chat_messages(raw.get("messages"))
+    if messages is False:
+        raise SnapshotError("chat messages are malformed")
+    root = bytes.fromhex(_str(raw["root"], "root"))
+    logits_checksum = raw.get("logits_checksum")
+    if logits_checksum is not None:
+        logits_checksum = _str(logits_checksum, "logits_checksum")
+    created = raw.get("created_at", 0.0)
+    extra = raw.get("extra") or {}
+    if not isinstance(extra, dict):
+        raise SnapshotError("metadata field extra is not an object")
+    return SnapshotMeta(
+        format_version=raw["format_version"],
+        model=_str(raw["model"], "model"),
+        fingerprint=_str(raw["fingerprint"], "fingerprint"),
+        root=root,
+        layout=layout,
+        block_size=block_size,
+        codec=codec,
+        level=_int(raw["level"], "level", -(1 << 17), 22),
+        num_tokens=num_tokens,
+        tokens_checksum=_str(raw["tokens_checksum"], "tokens_checksum"),
+        blocks=tuple(blocks),
+        logits_checksum=logits_checksum,
+        messages=messages,
+        created_at=float(created) if isinstance(created, (int, float)) else 0.0,
+        extra=extra,
+        fingerprint_parts=_parts(raw.get("fingerprint_parts")),
+        storage_dtype=storage_dtype if storage_dtype != dtype else "",
+    )
+
+
+def _parts(value: Any) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > 16:
+        raise SnapshotError("metadata field fingerprint_parts is malformed")
+    return {_str(k, "fingerprint_parts"): _str(v, "fingerprint_parts") for k, v in value.items()}
