@@ -264,18 +264,8 @@ class Session:
             return 0
         root = self.root()
         known = len(self.store.lookup(tokens, root, bs, touch=False).hashes)
-        hashes = hashing.chain_hashes(tokens, bs, root)
         blocks: list[EncodedBlock | None] = [None] * known
-        for i in range(known, -(-len(tokens) // bs)):
-            start, end = i * bs, min((i + 1) * bs, len(tokens))
-            h = hashes[i] if i < len(hashes) else None
-            block = self._encoded.get(h) if h is not None else None
-            if block is None or (block.origin is not None and not block.still_valid()):
-                raw = kvcache.block_raw(self.cache, start, end)
-                block = encode_block(raw, end - start, h, self.lm.layout.itemsize, self.codec, self.level)
-                if h is not None:
-                    self._encoded[h] = block
-            blocks.append(block)
+        blocks += self._encode_blocks(tokens, first=known)[0]
         chain = ChainInfo(root, self.lm.name, self.lm.fingerprint, self.lm.layout, bs)
         if name is None:
             return self.store.put(chain, tokens, blocks, codec=self.codec, level=self.level).new_blocks
@@ -434,20 +424,16 @@ class Session:
 
     # -- save --------------------------------------------------------------------------------
 
-    def save(self, path: str | Path) -> SaveStats:
-        """Write the session (every token, prompt and generated) to a ``.kv`` file, atomically.
-
-        Blocks compressed earlier in this session (or read from a snapshot) are written as they
-        are; only new blocks are encoded, in parallel threads.
-        """
-        t0 = time.perf_counter()
-        flushed = self.flush()
+    def _encode_blocks(self, tokens: Sequence[int], first: int = 0) -> tuple[list[EncodedBlock], int]:
+        """Blocks ``first``.. of ``tokens`` (whose KV is in the cache) as stored, and how many had to be
+        encoded: blocks compressed earlier in the session (or read from a snapshot) are reused as
+        they are, the rest are encoded in parallel threads."""
         bs = self.block_size
-        n = len(self.tokens)
-        hashes = hashing.chain_hashes(self.tokens, bs, self.root())
+        n = len(tokens)
+        hashes = hashing.chain_hashes(tokens, bs, self.root())
         blocks: list[EncodedBlock | None] = []
         todo: list[tuple[int, int, int, bytes | None]] = []
-        for i in range(-(-n // bs)):
+        for i in range(first, -(-n // bs)):
             start, end = i * bs, min((i + 1) * bs, n)
             h = hashes[i] if i < len(hashes) else None
             cached = self._encoded.get(h) if h is not None else None
@@ -455,7 +441,7 @@ class Session:
                 cached = None  # a view of a file someone changed in place since it was read: encode afresh
             blocks.append(cached)
             if cached is None:
-                todo.append((i, start, end, h))
+                todo.append((i - first, start, end, h))
         itemsize = KV_DTYPES[self.storage_dtype]
 
         def encode(job: tuple[int, int, int, bytes | None]) -> EncodedBlock:
@@ -466,8 +452,23 @@ class Session:
         with ThreadPoolExecutor(max_workers=_ENCODE_WORKERS) as pool:
             for (i, *_), block in zip(todo, pool.map(encode, todo)):
                 blocks[i] = block
+                if block.hash is not None:
+                    self._encoded[block.hash] = block
         final = [b for b in blocks if b is not None]
         assert len(final) == len(blocks)
+        return final, len(todo)
+
+    def save(self, path: str | Path) -> SaveStats:
+        """Write the session (every token, prompt and generated) to a ``.kv`` file, atomically.
+
+        Blocks compressed earlier in this session (or read from a snapshot) are written as they
+        are; only new blocks are encoded, in parallel threads.
+        """
+        t0 = time.perf_counter()
+        flushed = self.flush()
+        bs = self.block_size
+        n = len(self.tokens)
+        final, encoded = self._encode_blocks(self.tokens)
         logits = self.last_logits.float().cpu().numpy() if self.last_logits is not None else None
         size = write_snapshot(
             path,
@@ -491,8 +492,8 @@ class Session:
             path=str(path),
             tokens=n,
             blocks=len(final),
-            blocks_encoded=len(todo),
-            blocks_reused=len(final) - len(todo),
+            blocks_encoded=encoded,
+            blocks_reused=len(final) - encoded,
             flushed_tokens=flushed,
             kv_bytes=n * self.lm.layout.bytes_per_token,
             file_bytes=size,
