@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import machine, table, write_json  # noqa: E402
+from benchmarks.common import describe, machine, table, write_json  # noqa: E402
 
 _CHILD = """
 import json, resource, sys, time
@@ -88,9 +88,11 @@ def main() -> None:
         ("beyond_kv_vs_one_shot", "vs one shot", ".2f"),
         ("speed_vs_one_shot", "speed vs one shot", ".2f"),
     ]
+    info = machine()
+    print(describe(info))
     print(f"{args.tokens}-token prefill of {args.model}, each chunk size in its own process")
     print(table(rows, cols))
-    print(f"wrote {write_json('chunked', {'machine': machine(), 'tokens': args.tokens, 'rows': rows})}")
+    print(f"wrote {write_json('chunked', {'machine': info, 'tokens': args.tokens, 'rows': rows})}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import random
@@ -71,12 +72,18 @@ _WORDS = [
 def document(tokenizer, num_tokens: int, seed: int = 0) -> list[int]:
     """Token ids of exactly ``num_tokens`` tokens of deterministic pseudo-prose."""
     rng = random.Random(seed)
-    parts = []
+    parts: list[str] = []
+    words = 0
     ids: list[int] = []
     while len(ids) < num_tokens:
-        sentence = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(6, 16)))
-        parts.append(sentence.capitalize() + ".")
+        # Tokenize once per batch of sentences, not per sentence: linear in the length, so a 16k
+        # prompt costs as little as a short one.
+        while words < max(num_tokens, len(ids) + 64):
+            sentence = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(6, 16)))
+            parts.append(sentence.capitalize() + ".")
+            words += sentence.count(" ") + 1
         ids = list(tokenizer(" ".join(parts))["input_ids"])
+        words = len(ids)
     return ids[:num_tokens]
 
 
@@ -88,6 +95,32 @@ def best_of(n: int, fn: Callable[[], Any]) -> tuple[float, Any]:
         result = fn()
         times.append(time.perf_counter() - t0)
     return min(times), result
+
+
+def best_of_each(n: int, fns: dict[str, Callable[[], Any]]) -> dict[str, tuple[float, Any]]:
+    """``best_of`` for several functions whose runs alternate, so that a slow spell of a shared
+    machine falls on all of them alike; returns name -> (smallest time, every run's result)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    results: dict[str, list[Any]] = {name: [] for name in fns}
+    for _ in range(n):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            results[name].append(fn())
+            times[name].append(time.perf_counter() - t0)
+    return {name: (min(times[name]), results[name]) for name in fns}
+
+
+def synced(device, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` followed by a wait for the GPU, so a timing covers the work it queued."""
+    import torch
+
+    def run():
+        result = fn()
+        if getattr(device, "type", device) == "cuda":
+            torch.cuda.synchronize()
+        return result
+
+    return run
 
 
 def median(values: list[float]) -> float:
@@ -108,9 +141,36 @@ def machine() -> dict[str, Any]:
         "processor": platform.processor() or platform.machine(),
         "torch_threads": torch.get_num_threads(),
     }
+    cpu = _cpu_model()
+    if cpu:
+        info["cpu_model"] = cpu
+    with contextlib.suppress(ValueError, OSError, AttributeError):  # sysconf names are POSIX-only
+        info["memory_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def describe(info: dict[str, Any]) -> str:
+    """One line naming the machine, for the top of a table."""
+    parts = [f"{info.get('cpu_model') or info['processor']}, {info['cpu_count']} cores"]
+    if "memory_gib" in info:
+        parts.append(f"{info['memory_gib']:.0f} GiB")
+    if "gpu" in info:
+        parts.append(info["gpu"])
+    parts.append(f"torch {info['torch']}, transformers {info['transformers']}")
+    return "machine: " + ", ".join(parts)
 
 
 def table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:

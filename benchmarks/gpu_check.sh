@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The one prepared check for a lent GPU machine: CUDA correctness in bfloat16 (bitwise restore,
+# same answer, only the suffix run, pinned staging), then resume, crossover and chunked-prefill
+# figures. That machine has no registry access and no copy of the default model, so it gets the
+# model's config and tokenizer (3.4 MB; the weights are built at random there, same shapes, same
+# speed) and a zstandard wheel. Prepare both here, once per checkout:
+#
+#   printf '/.whl/\n/.gpu/\n' >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl zstandard==0.25.0
+#   .venv/bin/python benchmarks/shaped_model.py --export .gpu
+#
+# then run `bash benchmarks/gpu_check.sh` there, carrying .whl and .gpu. QUICK=1 runs small sizes
+# (a dry run on the CPU here: `QUICK=1 bash benchmarks/gpu_check.sh`). Figures land in $OUT (or
+# benchmarks/results/gpu); the exit status is non-zero if a check failed.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+out=${OUT:-benchmarks/results/gpu}
+mkdir -p "$out"
+py=python3
+[ -x .venv/bin/python ] && [ -z "${OUT:-}" ] && py=.venv/bin/python
+if compgen -G ".whl/*.whl" >/dev/null; then
+    $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+[ -f .gpu/config.json ] || { echo "no .gpu/config.json: run benchmarks/shaped_model.py --export .gpu first"; exit 2; }
+
+if [ -n "${QUICK:-}" ]; then
+    check=512 lengths="256 1024" sweep="64 256 1024" chunk_tokens=1024 chunks="256 1024"
+else
+    check=4096 lengths="1024 4096 16384" sweep="64 256 1024 4096 16384" chunk_tokens=16384 chunks="512 2048 16384"
+fi
+model=/tmp/kvsnap-shaped-model
+$py benchmarks/shaped_model.py .gpu "$model" >/dev/null 2>&1 || { echo "could not build the shaped model"; exit 1; }
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+
+status=0
+step() {
+    echo "== $*" | tee -a "$out/log.txt"
+    "$@" 2>&1 | grep -v -e "it/s]" -e "^Warning" | tee -a "$out/log.txt"
+    local s=${PIPESTATUS[0]}
+    [ "$s" -eq 0 ] || status=$s
+}
+step $py benchmarks/cuda_check.py --model "$model" --tokens $check
+# shellcheck disable=SC2086
+step $py benchmarks/resume.py --model "$model" --lengths $lengths --repeats 3
+# shellcheck disable=SC2086
+step $py benchmarks/crossover.py --model "$model" --lengths $sweep
+# shellcheck disable=SC2086
+step $py benchmarks/chunked.py --model "$model" --tokens $chunk_tokens --chunks $chunks
+for name in cuda_check resume crossover chunked; do
+    cp "benchmarks/results/$name.json" "$out/" 2>/dev/null
+done
+echo "exit status $status"
+exit $status
