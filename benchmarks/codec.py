@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import document, machine, table, write_json  # noqa: E402
+from benchmarks.common import describe, document, machine, table, write_json  # noqa: E402
 from kvsnap import cache as kvcache  # noqa: E402
 from kvsnap import codec as codecs  # noqa: E402
 from kvsnap.models import load_model  # noqa: E402
@@ -66,7 +66,9 @@ def main() -> None:
     ]
     print(f"{args.tokens} tokens of {args.model} KV, blocks of {args.block_size}, one thread")
     print(table(rows, cols))
-    print(f"wrote {write_json('codec', {'machine': machine(), 'tokens': args.tokens, 'rows': rows})}")
+    info = machine()
+    print(describe(info))
+    print(f"wrote {write_json('codec', {'machine': info, 'tokens': args.tokens, 'rows': rows})}")
 
 
 if __name__ == "__main__":

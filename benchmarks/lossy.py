@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.common import document, machine, table, write_json  # noqa: E402
+from benchmarks.common import describe, document, machine, table, write_json  # noqa: E402
 from kvsnap.models import load_model  # noqa: E402
 from kvsnap.runner import SamplingParams  # noqa: E402
 from kvsnap.session import Session  # noqa: E402
@@ -102,7 +102,9 @@ def main() -> None:
     ]
     print(f"{args.model}, {len(prefix)}-token snapshot, {QUESTION}-token question, {args.new} tokens teacher-forced")
     print(table(rows, cols))
-    print(f"wrote {write_json('lossy', {'machine': machine(), 'rows': rows})}")
+    info = machine()
+    print(describe(info))
+    print(f"wrote {write_json('lossy', {'machine': info, 'rows': rows})}")
 
 
 if __name__ == "__main__":
