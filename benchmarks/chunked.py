@@ -1,7 +1,8 @@
 """Peak memory and throughput of prefilling a 4k-token suffix in one shot vs in chunks.
 
-Each configuration runs in its own process, so the peak (process max RSS on CPU,
-torch.cuda.max_memory_allocated on GPU) belongs to that configuration alone. Side by side in
+The peak of each configuration is read in its own process, so it belongs to that prefill alone
+(the process's peak RSS on CPU, reset after the model is loaded; torch.cuda.max_memory_allocated
+on GPU). Throughput is timed in one process with the configurations alternating. Side by side in
 one run; ratios are what to read, not absolute seconds.
 
     .venv/bin/python benchmarks/chunked.py [--tokens 4096] [--chunks 128 256 512 1024 2048 4096]
@@ -11,13 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import describe, machine, table, write_json  # noqa: E402
+from benchmarks.common import best_of_each, describe, document, machine, synced, table, write_json  # noqa: E402
+from kvsnap.models import load_model  # noqa: E402
+from kvsnap.session import Session  # noqa: E402
 
 _CHILD = """
 import json, resource, sys, time
@@ -32,16 +36,36 @@ Session(lm).prefill(ids[:64])  # warm up
 cuda = lm.device.type == "cuda"
 if cuda:
     torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def status_bytes(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+def reset_peak():
+    # Linux: forget the peak so far (model loading), so the peak read after is the prefill's.
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+exact = not cuda and reset_peak()
+if cuda:
+    base = torch.cuda.memory_allocated()  # the model's weights
+else:
+    base = status_bytes("VmRSS") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 session = Session(lm, chunk_size={chunk})
 t0 = time.perf_counter()
 session.prefill(ids)
 if cuda:
     torch.cuda.synchronize()
 seconds = time.perf_counter() - t0
-peak = torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+if cuda:
+    peak = torch.cuda.max_memory_allocated()
+else:
+    peak = status_bytes("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 kv = {tokens} * lm.layout.bytes_per_token
-print(json.dumps({{"seconds": seconds, "peak_bytes": peak, "base_bytes": base * 1024, "cuda": cuda, "kv_bytes": kv}}))
+print(json.dumps({{"seconds": seconds, "peak_bytes": peak, "base_bytes": base, "cuda": cuda, "kv_bytes": kv}}))
 """
 
 
@@ -51,15 +75,37 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, nargs="+", default=[128, 256, 512, 1024, 2048, 4096])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per chunk size (alternating)")
     args = parser.parse_args()
     root = str(Path(__file__).resolve().parent.parent)
-    rows = []
+    # glibc keeps freed memory mapped for reuse, so a process's peak RSS says more about its
+    # allocator's history than about the tensors alive at once. With a fixed mmap threshold every
+    # large buffer is returned when freed and the peak follows live memory (on CPU; the GPU
+    # reading is torch's own count). Same setting for every configuration.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
+    best: dict[int, dict] = {}
     for chunk in args.chunks:
         code = _CHILD.format(root=root, model=args.model, device=args.device, tokens=args.tokens, chunk=chunk)
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-        r = json.loads(out.strip().splitlines()[-1])
-        # On CPU the peak includes the model and the KV; what the chunking changes is the rest.
-        over = r["peak_bytes"] - (0 if r["cuda"] else r["base_bytes"])
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+        best[chunk] = json.loads(out.strip().splitlines()[-1])
+        print(f"  chunk {chunk}: peak {best[chunk]['peak_bytes'] / 1e6:,.0f} MB", file=sys.stderr)
+    # Throughput in this process, with the allocator as users have it, the chunk sizes alternating
+    # so that a slow spell of a shared machine falls on all of them; the best run of each counts.
+    lm = load_model(args.model, device=args.device)
+    ids = document(lm.tokenizer, args.tokens)
+    Session(lm).prefill(ids[:64])  # warm up
+    timed = best_of_each(
+        args.repeats,
+        {chunk: synced(lm.device, lambda c=chunk: Session(lm, chunk_size=c).prefill(ids)) for chunk in args.chunks},
+    )
+    for chunk in args.chunks:
+        best[chunk]["seconds"] = timed[chunk][0]
+        print(f"  chunk {chunk}: {timed[chunk][0]:.1f} s", file=sys.stderr)
+    rows = []
+    for chunk in args.chunks:
+        r = best[chunk]
+        # The peak over what was there before (the model); it includes the KV, which chunking cannot change.
+        over = r["peak_bytes"] - r["base_bytes"]
         rows.append(
             {
                 "chunk": chunk,
@@ -71,7 +117,6 @@ def main() -> None:
                 "beyond_kv_mb": (over - r["kv_bytes"]) / 1e6,
             }
         )
-        print(f"  chunk {chunk}: {r['seconds']:.1f} s", file=sys.stderr)
     one_shot = next((r for r in rows if r["chunk"] >= args.tokens), rows[-1])
     for r in rows:
         r["peak_vs_one_shot"] = r["over_base_mb"] / one_shot["over_base_mb"]
@@ -90,7 +135,8 @@ def main() -> None:
     ]
     info = machine()
     print(describe(info))
-    print(f"{args.tokens}-token prefill of {args.model}, each chunk size in its own process")
+    print(f"{args.tokens}-token prefill of {args.model}: peak memory of each chunk size in its own process,")
+    print(f"throughput in one process, the chunk sizes alternating, best of {args.repeats}")
     print(table(rows, cols))
     print(f"wrote {write_json('chunked', {'machine': info, 'tokens': args.tokens, 'rows': rows})}")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import platform
 import random
 import statistics
@@ -128,8 +129,6 @@ def median(values: list[float]) -> float:
 
 
 def machine() -> dict[str, Any]:
-    import os
-
     import torch
     import transformers
 
@@ -185,7 +184,9 @@ def table(rows: list[dict[str, Any]], columns: list[tuple[str, str, str]]) -> st
 
 
 def write_json(name: str, payload: dict[str, Any]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    # KVSNAP_BENCH_RESULTS: somewhere else (the tests' smoke runs must not replace real results).
+    folder = Path(os.environ.get("KVSNAP_BENCH_RESULTS") or RESULTS)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2))
     return path

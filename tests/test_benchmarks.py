@@ -1,0 +1,81 @@
+"""The benchmark scripts run end to end (on a tiny model, tiny sizes) and their figures hang together.
+
+Not a timing test: no figure here is compared with a speed. What is checked is that each script
+finishes, writes its JSON where it is told, and that what it reports is consistent (the resume
+really reused the prefix, an incremental save encoded only the new block, the device check passed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def bench(tmp_path, kvsnap_home):
+    results = tmp_path / "results"
+
+    def run(script: str, *args: str) -> tuple[str, dict]:
+        env = {**os.environ, "KVSNAP_HOME": str(kvsnap_home), "KVSNAP_BENCH_RESULTS": str(results)}
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        return proc.stdout, json.loads((results / f"{script}.json").read_text())
+
+    return run
+
+
+def test_resume_benchmark(bench, tiny_model_dir):
+    out, data = bench("resume", "--model", str(tiny_model_dir("llama")), "--lengths", "160", "--repeats", "1")
+    assert out.startswith("machine: ")
+    (row,) = data["rows"]
+    assert row["tokens"] == 160
+    # The snapshot holds the 128-token prefix, compressed: smaller than the raw KV it holds.
+    assert 0 < row["file_bytes"] < row["kv_bytes"] and row["ratio"] == row["file_bytes"] / row["kv_bytes"]
+    assert row["bytes_per_token"] == row["file_bytes"] / 128
+    for key in ("cold_ttft_s", "resumed_ttft_s", "in_memory_ttft_s", "restore_s", "new_process_restore_s"):
+        assert row[key] > 0, key
+    assert row["speedup"] == pytest.approx(row["cold_ttft_s"] / row["resumed_ttft_s"])
+
+
+def test_crossover_benchmark(bench, tiny_model_dir):
+    out, data = bench("crossover", "--model", str(tiny_model_dir("llama")), "--lengths", "64", "128", "--repeats", "1")
+    assert [r["tokens"] for r in data["rows"]] == [64, 128]
+    assert data["verdict"] in out
+    assert all(r["load_s"] > 0 and r["recompute_s"] > 0 for r in data["rows"])
+
+
+def test_save_benchmark_encodes_only_the_new_block(bench, tiny_model_dir):
+    _, data = bench("save", "--model", str(tiny_model_dir("llama")), "--history", "256", "--turn", "16")
+    (row,) = data["rows"]
+    # 256 + 16 tokens: 4 full blocks were encoded by the first save, only the new tail block now.
+    assert row["blocks"] == 5 and row["new_blocks"] == 1
+    assert row["store_new_blocks"] == 1
+
+
+def test_chunked_benchmark(bench, tiny_model_dir):
+    _, data = bench(
+        "chunked", "--model", str(tiny_model_dir("llama")), "--tokens", "64", "--chunks", "16", "64", "--repeats", "1"
+    )
+    rows = {r["chunk"]: r for r in data["rows"]}
+    assert set(rows) == {16, 64} and rows[64]["peak_vs_one_shot"] == 1
+    assert all(r["peak_mb"] > 0 and r["tok_s"] > 0 for r in rows.values())
+
+
+def test_device_check_passes_on_cpu(bench, tiny_model_dir):
+    out, data = bench("cuda_check", "--model", str(tiny_model_dir("llama")), "--device", "cpu", "--tokens", "160")
+    assert "FAIL" not in out
+    assert out.count("PASS") == 3 and all(data["checks"].values())
