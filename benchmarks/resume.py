@@ -89,13 +89,13 @@ def kv_tensors(cache) -> dict[str, torch.Tensor]:
     return out
 
 
-def measure(lm, n: int, repeats: int, folder: Path, model: str, dtype: str) -> dict:
+def measure(lm, n: int, repeats: int, folder: Path, model: str, dtype: str, codec: str) -> dict:
     ids = document(lm.tokenizer, n)
     prefix_ids = ids[: n - SUFFIX]
     snap = folder / f"doc{n}.kv"
     dev = lm.device
 
-    primer = Session(lm)
+    primer = Session(lm, codec=codec)
     primer.prefill(prefix_ids)
     save_s, _ = best_of(repeats, synced(dev, lambda: Session.save(_fresh_copy(primer), snap)))
 
@@ -190,6 +190,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--codec", default="shuffle-zstd", help="codec of the snapshots (raw: no decompression)")
     args = parser.parse_args()
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     Session(lm).run(document(lm.tokenizer, 64), ONE)  # warm up kernels and allocator
@@ -197,7 +198,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.lengths:
             t0 = time.perf_counter()
-            rows.append(measure(lm, n, args.repeats, Path(tmp), args.model, args.dtype))
+            rows.append(measure(lm, n, args.repeats, Path(tmp), args.model, args.dtype, args.codec))
             print(f"  {n} tokens measured in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     ttft_cols = [
         ("tokens", "tokens", "d"),
@@ -222,7 +223,10 @@ def main() -> None:
     ]
     info = machine()
     print(describe(info))
-    print(f"model {args.model}, {lm.device}, {lm.layout.dtype}, suffix {SUFFIX} tokens, best of {args.repeats}")
+    print(
+        f"model {args.model}, {lm.device}, {lm.layout.dtype}, codec {args.codec}, suffix {SUFFIX} tokens, "
+        f"best of {args.repeats}"
+    )
     print('"suffix only": the same prompt with the prefix already in memory (the floor of any resume);')
     print('"ceiling": cold TTFT / suffix only, the speedup a restore that took no time would give')
     print(table(rows, ttft_cols))
@@ -230,7 +234,9 @@ def main() -> None:
     print("reading the prefix back: kvsnap restore vs the same KV uncompressed (plain safetensors) and torch.load,")
     print("in this process (runs alternate) and each in a new process (as `kvsnap run --resume` pays it)")
     print(table(rows, read_cols))
-    path = write_json("resume", {"machine": info, "model": args.model, "dtype": lm.layout.dtype, "rows": rows})
+    name = "resume" if args.codec == "shuffle-zstd" else f"resume-{args.codec}"
+    payload = {"machine": info, "model": args.model, "dtype": lm.layout.dtype, "codec": args.codec, "rows": rows}
+    path = write_json(name, payload)
     print(f"wrote {path}")
 
 
