@@ -30,20 +30,7 @@ def atomic_write(path: Path, parts: list[bytes | memoryview]) -> int:
                 umask = os.umask(0)
                 os.umask(umask)
                 mode = 0o666 & ~umask
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-            try:
-                os.fchmod(fd, mode)  # mkstemp makes 0600; keep the permissions a plain write would give
-                with os.fdopen(fd, "wb") as f:
-                    for part in parts:
-                        f.write(part)
-                    f.flush()
-                    os.fsync(f.fileno())
-                    size = f.tell()
-                os.replace(tmp, path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            size = replace_whole(path, parts, mode)
             fsync_dir(folder)
     except SaveError:
         raise
@@ -51,6 +38,30 @@ def atomic_write(path: Path, parts: list[bytes | memoryview]) -> int:
         err = SaveError(f"{path}: cannot save ({exc.strerror or exc}); the previous file is unchanged")
         err.errno = exc.errno
         raise err from None
+    return size
+
+
+def replace_whole(path: Path, parts: list[bytes | memoryview], mode: int | None = None) -> int:
+    """Write ``parts`` to a temp file beside ``path``, fsync it and rename it over ``path``.
+
+    The bare step, with no lock: on any error (``OSError`` or an interrupt) the temp file is
+    removed and ``path`` is untouched. ``mode`` defaults to mkstemp's 0600. Returns the size.
+    """
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        if mode is not None:
+            os.fchmod(fd, mode)  # mkstemp makes 0600; keep the permissions a plain write would give
+        with os.fdopen(fd, "wb") as f:
+            for part in parts:
+                f.write(part)
+            f.flush()
+            os.fsync(f.fileno())
+            size = f.tell()
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return size
 
 

@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from kvsnap import codec as codecs
+from kvsnap.atomic import fsync_dir, replace_whole
 from kvsnap.blockindex import (
     BlockIndex,
     BlockRecord,
@@ -44,7 +44,7 @@ from kvsnap.blockindex import (
     block_keys,
 )
 from kvsnap.errors import ConfigError
-from kvsnap.snapshot import EncodedBlock, KVLayout, Snapshot, checksum, encode_block, fsync_dir, write_snapshot
+from kvsnap.snapshot import EncodedBlock, KVLayout, Snapshot, checksum, encode_block, write_snapshot
 
 __all__ = [
     "BlockRecord",
@@ -679,25 +679,13 @@ def _check_block(i: int, block: EncodedBlock, hash_: bytes | None, raw_bytes: in
 
 
 def _write_file(path: Path, data: bytes | memoryview) -> None:
-    """Write ``path`` whole or not at all: a temp file in the same folder, fsync, rename."""
+    """Write ``path`` whole or not at all (the store's own lock orders its writers)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        replace_whole(path, [data])
     except OSError as exc:
+        # The transaction ends without writing the index: the store is as it was (gc removes new files).
         raise StoreError(f"{path}: cannot write ({exc.strerror or exc})") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(exc, OSError):
-            # The transaction ends without writing the index: the store is as it was (gc removes new files).
-            raise StoreError(f"{path}: cannot write ({exc.strerror or exc})") from None
-        raise
 
 
 @contextlib.contextmanager
