@@ -5,7 +5,7 @@ it and prefills the suffix. Baselines in the same run: torch.save/torch.load of 
 cache object (what one writes by hand), and the same KV written uncompressed with plain
 safetensors and read back (the read-speed limit for this data here).
 
-    .venv/bin/python benchmarks/resume.py                # 512 1024 2048 4096
+    .venv/bin/python benchmarks/resume.py                # 512 1024 2048 4096 8192
     .venv/bin/python benchmarks/resume.py --lengths 2048 --repeats 1
 """
 
@@ -185,7 +185,7 @@ def _fresh_copy(session: Session) -> Session:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--device", default="auto")
