@@ -88,6 +88,16 @@ def document(tokenizer, num_tokens: int, seed: int = 0) -> list[int]:
     return ids[:num_tokens]
 
 
+def model_arguments(parser, *, codec: bool = False) -> None:
+    """The options of a benchmark that loads a model and times several runs of it."""
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    if codec:
+        parser.add_argument("--codec", default="shuffle-zstd", help="codec of the snapshots (raw: no decompression)")
+
+
 def best_of(n: int, fn: Callable[[], Any]) -> tuple[float, Any]:
     """Smallest wall time of ``n`` runs (and the last result): noise only ever adds time."""
     times, result = [], None

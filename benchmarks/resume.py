@@ -24,7 +24,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from benchmarks.common import best_of, best_of_each, describe, document, machine, synced, table, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    best_of,
+    best_of_each,
+    describe,
+    document,
+    machine,
+    model_arguments,
+    synced,
+    table,
+    write_json,
+)
 from kvsnap.models import load_model  # noqa: E402
 from kvsnap.runner import SamplingParams  # noqa: E402
 from kvsnap.session import Session  # noqa: E402
@@ -186,11 +196,7 @@ def _fresh_copy(session: Session) -> Session:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--codec", default="shuffle-zstd", help="codec of the snapshots (raw: no decompression)")
+    model_arguments(parser, codec=True)
     args = parser.parse_args()
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     Session(lm).run(document(lm.tokenizer, 64), ONE)  # warm up kernels and allocator
