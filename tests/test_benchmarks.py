@@ -79,3 +79,21 @@ def test_device_check_passes_on_cpu(bench, tiny_model_dir):
     out, data = bench("cuda_check", "--model", str(tiny_model_dir("llama")), "--device", "cpu", "--tokens", "160")
     assert "FAIL" not in out
     assert out.count("PASS") == 3 and all(data["checks"].values())
+
+
+def test_shaped_model_has_the_shapes_and_tokenizer_of_its_source(tmp_path, tiny_model_dir, kvsnap_home):
+    """The GPU check's stand-in model: the source's config and tokenizer, new random weights."""
+    src = tiny_model_dir("llama")
+    small, built = tmp_path / "small", tmp_path / "built"
+    env = {**os.environ, "KVSNAP_HOME": str(kvsnap_home)}
+    script = str(ROOT / "benchmarks" / "shaped_model.py")
+    for args in (["--export", str(small), "--model", str(src)], [str(small), str(built)]):
+        proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not (small / "model.safetensors").exists()  # only the small files travel
+    from kvsnap.models import load_model
+
+    a, b = load_model(str(src)), load_model(str(built))
+    assert a.layout == b.layout and a.fingerprint_parts["tokenizer"] == b.fingerprint_parts["tokenizer"]
+    assert a.fingerprint_parts["weights"] != b.fingerprint_parts["weights"]
+    assert a.tokenizer("river city")["input_ids"] == b.tokenizer("river city")["input_ids"]
