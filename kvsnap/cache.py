@@ -157,6 +157,11 @@ def block_raw(cache: DynamicCache, start: int, end: int, dtype: str | None = Non
     return block.view(torch.uint8).reshape(-1).numpy()
 
 
+# Restores to CUDA stage the blocks in pinned host memory (one fast non-blocking copy, but pinning
+# costs on first use in a process); benchmarks/cuda_check.py turns it off to measure both.
+PIN_STAGING = True
+
+
 class Restorer:
     """Decoded blocks go straight into one preallocated ``[layers, 2, kv_heads, capacity, head_dim]`` buffer.
 
@@ -186,7 +191,8 @@ class Restorer:
             self.staging = self.buf[:, :, :, :num_tokens]
         else:
             self.buf = None
-            self.staging = torch.empty((L, 2, H, num_tokens, D), dtype=self.dtype, pin_memory=device.type == "cuda")
+            pin = device.type == "cuda" and PIN_STAGING
+            self.staging = torch.empty((L, 2, H, num_tokens, D), dtype=self.dtype, pin_memory=pin)
 
     def write(self, start: int, block_tokens: int, raw) -> None:
         """Copy a raw block (``block_tokens`` tokens, of which those before ``num_tokens`` are used) to ``start``."""
