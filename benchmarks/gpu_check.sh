@@ -3,16 +3,16 @@
 # same answer, only the suffix run, pinned staging), then resume, crossover and chunked-prefill
 # figures. That machine has no registry access and no copy of the default model, so it gets the
 # model's config and tokenizer (3.4 MB; the weights are built at random there, same shapes, same
-# speed) and a zstandard wheel. Prepare both here, once per checkout:
+# speed) and a zstandard wheel. Prepare both here (.gitignore keeps them out of commits):
 #
-#   printf '/.whl/\n/.gpu/\n' >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl zstandard==0.25.0
 #   .venv/bin/python benchmarks/shaped_model.py --export .gpu
 #
-# then run `bash benchmarks/gpu_check.sh` there, carrying .whl and .gpu. QUICK=1 runs small sizes
-# (a dry run on the CPU here: `QUICK=1 bash benchmarks/gpu_check.sh`). Figures land in $OUT (or
-# benchmarks/results/gpu); the exit status is non-zero if a check failed.
+# then run `bash benchmarks/gpu_check.sh` there, with .whl and .gpu in the device tool's carry
+# (about 5-7 minutes there, estimated). QUICK=1 runs small sizes (a dry run on the CPU here:
+# `QUICK=1 bash benchmarks/gpu_check.sh`). Figures land in $OUT (or benchmarks/results/gpu);
+# the exit status is non-zero if a check failed.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 out=${OUT:-benchmarks/results/gpu}
