@@ -26,7 +26,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -164,7 +164,6 @@ def write_snapshot(
     return atomic_write(Path(path), [struct.pack("<Q", len(header_bytes)), header_bytes, *payloads])
 
 
-_local = threading.local()
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
 
@@ -178,17 +177,31 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return pool
 
 
+def _after_fork_in_child() -> None:
+    # A forked child has none of the parent's threads: a pool inherited from it would never run a
+    # task, and a lock some parent thread held would never be released.
+    global _pools_lock
+    _pools.clear()
+    _pools_lock = threading.Lock()
+
+
 if hasattr(os, "register_at_fork"):
-    # A forked child has none of the parent's threads: a pool inherited from it would never run a task.
-    os.register_at_fork(after_in_child=_pools.clear)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _scratch(size: int) -> np.ndarray:
-    """A per-thread reusable decode buffer (fresh pages for every block would cost page faults)."""
-    buf = getattr(_local, "scratch", None)
-    if buf is None or buf.size < size:
-        buf = _local.scratch = np.empty(size, dtype=np.uint8)
-    return buf
+class _Scratch:
+    """One reusable decode buffer per worker thread for one read (fresh pages for every block would
+    cost page faults); dropped with the read, so idle pool threads hold no memory."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[int, np.ndarray] = {}
+
+    def get(self, size: int) -> np.ndarray:
+        key = threading.get_ident()
+        buf = self._bufs.get(key)
+        if buf is None or buf.size < size:
+            buf = self._bufs[key] = np.empty(size, dtype=np.uint8)
+        return buf
 
 
 def block_name(index: int) -> str:
@@ -380,17 +393,28 @@ class Snapshot:
         the file), which a session keeps for its next save.
         """
         indices = list(indices)
+        scratch = _Scratch()
 
         def one(index: int) -> tuple[Any, memoryview]:
             stored = self.read_stored(index)
             if sink is None:
                 return self.decode_block(index, stored), stored
-            raw = self.decode_block(index, stored, out=_scratch(self.meta.blocks[index].raw_bytes))
+            raw = self.decode_block(index, stored, out=scratch.get(self.meta.blocks[index].raw_bytes))
             sink(index, raw)
             return None, stored
 
         if workers > 1 and len(indices) > 1:
-            results = list(_pool(workers).map(one, indices))
+            futures = [_pool(workers).submit(one, i) for i in indices]
+            try:
+                results = [f.result() for f in futures]
+            except BaseException:
+                # Nothing may still write into the caller's buffers once this returns (a failed
+                # restore is followed by a recompute into other buffers): cancel what has not
+                # started and wait for what has.
+                for f in futures:
+                    f.cancel()
+                wait(futures)
+                raise
         else:
             results = [one(i) for i in indices]
         raws = [r for r, _ in results]

@@ -246,6 +246,34 @@ def test_damage_in_one_block_does_not_stop_reading_the_others(tmp_path):
     assert len(problems) == 1 and "block 50" in problems[0]
 
 
+def test_a_failed_read_leaves_no_worker_writing_after_it_returns(tmp_path):
+    """A restore that fails is followed by a recompute: no decode thread may still be writing
+    into the failed restore's buffers once ``read_blocks`` has raised."""
+    import threading
+    import time
+
+    w = _hundred_blocks(tmp_path)
+    start, end = tensor_span(w.path, block_name(3))
+    data = bytearray(w.path.read_bytes())
+    data[(start + end) // 2] ^= 0x5A
+    w.path.write_bytes(bytes(data))
+    done: list[int] = []
+    lock = threading.Lock()
+
+    def slow_sink(index: int, raw) -> None:
+        time.sleep(0.002)  # a sink that takes as long as a real copy into a big cache
+        with lock:
+            done.append(index)
+
+    with Snapshot(w.path) as snap:
+        with pytest.raises(SnapshotError, match=r"block 3\b"):
+            snap.read_blocks(range(100), workers=4, sink=slow_sink)
+        after_raise = len(done)
+        time.sleep(0.1)
+        assert len(done) == after_raise  # nothing landed after the error was raised
+        assert after_raise < 99  # and the blocks not yet started were cancelled
+
+
 def test_read_blocks_touches_only_the_blocks_asked_for(tmp_path, monkeypatch):
     w = _hundred_blocks(tmp_path)
     read_indices: list[int] = []
