@@ -8,6 +8,8 @@ import os
 import platform
 import random
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -119,6 +121,14 @@ def best_of_each(n: int, fns: dict[str, Callable[[], Any]]) -> dict[str, tuple[f
             results[name].append(fn())
             times[name].append(time.perf_counter() - t0)
     return {name: (min(times[name]), results[name]) for name in fns}
+
+
+def run_child(code: str, env: dict[str, str] | None = None) -> str:
+    """Run ``python -c code`` in a new process; returns its last stdout line, or raises with its stderr."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"child process failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc.stdout.strip().splitlines()[-1]
 
 
 def synced(device, fn: Callable[[], Any]) -> Callable[[], Any]:

@@ -19,8 +19,14 @@ out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
 py=python3
 [ -x .venv/bin/python ] && [ -z "${OUT:-}" ] && py=.venv/bin/python
-if compgen -G ".whl/*.whl" >/dev/null; then
-    $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# Results go straight to $out, so a run stopped at its time limit still returns what it finished
+# (and a dry run here leaves benchmarks/results alone).
+export KVSNAP_BENCH_RESULTS="$out"
+if ! $py -c "import zstandard" 2>/dev/null; then
+    compgen -G ".whl/*.whl" >/dev/null || { echo "zstandard is missing and no wheel was carried in .whl"; exit 2; }
+    echo "installing $(ls .whl) for $($py -c 'import sys; print(sys.version.split()[0])')"
+    $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl ||
+        { echo "the carried wheels do not install here (a wheel for another Python version?)"; exit 1; }
     export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -29,10 +35,13 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [ -n "${QUICK:-}" ]; then
     check=512 lengths="256 1024" sweep="64 256 1024" chunk_tokens=1024 chunks="256 1024"
 else
-    check=4096 lengths="1024 4096 16384" sweep="64 256 1024 4096 16384" chunk_tokens=16384 chunks="512 2048 16384"
+    # Up to the model's 8192-token context (max_position_embeddings).
+    check=4096 lengths="1024 4096 8192" sweep="64 256 1024 4096 8192" chunk_tokens=8192 chunks="512 2048 8192"
 fi
 model=/tmp/kvsnap-shaped-model
-$py benchmarks/shaped_model.py .gpu "$model" >/dev/null 2>&1 || { echo "could not build the shaped model"; exit 1; }
+rm -rf "$model"
+$py benchmarks/shaped_model.py .gpu "$model" 2>&1 | grep -v "it/s]" | tail -20
+[ -f "$model/config.json" ] || { echo "could not build the shaped model"; exit 1; }
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
 status=0
@@ -44,13 +53,10 @@ step() {
 }
 step $py benchmarks/cuda_check.py --model "$model" --tokens $check
 # shellcheck disable=SC2086
-step $py benchmarks/resume.py --model "$model" --lengths $lengths --repeats 3
+step $py benchmarks/resume.py --model "$model" --lengths $lengths --repeats 2
 # shellcheck disable=SC2086
 step $py benchmarks/crossover.py --model "$model" --lengths $sweep
 # shellcheck disable=SC2086
 step $py benchmarks/chunked.py --model "$model" --tokens $chunk_tokens --chunks $chunks
-for name in cuda_check resume crossover chunked; do
-    cp "benchmarks/results/$name.json" "$out/" 2>/dev/null
-done
 echo "exit status $status"
 exit $status

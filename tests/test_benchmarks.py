@@ -39,23 +39,26 @@ def bench(tmp_path, kvsnap_home):
 
 
 def test_resume_benchmark(bench, tiny_model_dir):
+    # The script itself asserts that every resumed run reused the 128-token prefix and ran only the suffix.
     out, data = bench("resume", "--model", str(tiny_model_dir("llama")), "--lengths", "160", "--repeats", "1")
     assert out.startswith("machine: ")
     (row,) = data["rows"]
-    assert row["tokens"] == 160
+    assert row["tokens"] == 160 and data["codec"] == "shuffle-zstd"
     # The snapshot holds the 128-token prefix, compressed: smaller than the raw KV it holds.
-    assert 0 < row["file_bytes"] < row["kv_bytes"] and row["ratio"] == row["file_bytes"] / row["kv_bytes"]
-    assert row["bytes_per_token"] == row["file_bytes"] / 128
-    for key in ("cold_ttft_s", "resumed_ttft_s", "in_memory_ttft_s", "restore_s", "new_process_restore_s"):
+    assert 0 < row["file_bytes"] < row["kv_bytes"]
+    for key in ("in_memory_ttft_s", "new_process_cold_ttft_s", "new_process_resumed_ttft_s", "new_process_st_load_s"):
         assert row[key] > 0, key
-    assert row["speedup"] == pytest.approx(row["cold_ttft_s"] / row["resumed_ttft_s"])
 
 
 def test_crossover_benchmark(bench, tiny_model_dir):
     out, data = bench("crossover", "--model", str(tiny_model_dir("llama")), "--lengths", "64", "128", "--repeats", "1")
-    assert [r["tokens"] for r in data["rows"]] == [64, 128]
-    assert data["verdict"] in out
-    assert all(r["load_s"] > 0 and r["recompute_s"] > 0 for r in data["rows"])
+    rows = data["rows"]
+    assert [r["tokens"] for r in rows] == [64, 128]
+    # The verdict agrees with the rows it summarises.
+    if all(r["load_s"] < r["recompute_s"] for r in rows):
+        assert data["verdict"].startswith("loading wins at every length")
+    else:
+        assert not data["verdict"].startswith("loading wins at every length")
 
 
 def test_save_benchmark_encodes_only_the_new_block(bench, tiny_model_dir):
@@ -70,15 +73,17 @@ def test_chunked_benchmark(bench, tiny_model_dir):
     _, data = bench(
         "chunked", "--model", str(tiny_model_dir("llama")), "--tokens", "64", "--chunks", "16", "64", "--repeats", "1"
     )
-    rows = {r["chunk"]: r for r in data["rows"]}
-    assert set(rows) == {16, 64} and rows[64]["peak_vs_one_shot"] == 1
-    assert all(r["peak_mb"] > 0 and r["tok_s"] > 0 for r in rows.values())
+    assert sorted(r["chunk"] for r in data["rows"]) == [16, 64]
+    # Peaks are read per process; every row names one (a tiny prefill may add nothing measurable).
+    assert all(r["peak_mb"] > 0 and r["tok_s"] > 0 for r in data["rows"])
 
 
 def test_device_check_passes_on_cpu(bench, tiny_model_dir):
     out, data = bench("cuda_check", "--model", str(tiny_model_dir("llama")), "--device", "cpu", "--tokens", "160")
+    # The device-independent checks: bitwise restore, the same answer, only the suffix run.
     assert "FAIL" not in out
     assert out.count("PASS") == 3 and all(data["checks"].values())
+    assert data["figures"]["first_restore_s"] > 0
 
 
 def test_shaped_model_has_the_shapes_and_tokenizer_of_its_source(tmp_path, tiny_model_dir, kvsnap_home):
