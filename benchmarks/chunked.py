@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import best_of_each, describe, document, machine, run_child, synced, table, write_json  # noqa: E402
+from benchmarks.common import best_of_each, describe, document, kept, machine, run_child, synced, table, write_json  # noqa: E402
 from kvsnap.models import load_model  # noqa: E402
 from kvsnap.session import Session  # noqa: E402
 
@@ -68,12 +68,6 @@ print(json.dumps({{"seconds": seconds, "peak_bytes": peak, "base_bytes": base, "
 """
 
 
-def _prefilled(lm, chunk: int, ids: list[int]) -> Session:
-    session = Session(lm, chunk_size=chunk)
-    session.prefill(ids)
-    return session
-
-
 def _ratio(a: float, b: float) -> float | None:
     return a / b if b > 0 else None  # a tiny prefill can leave nothing measurable beyond the base
 
@@ -105,7 +99,10 @@ def main() -> None:
     timed = best_of_each(
         args.repeats,
         # Each returns its session, so freeing the cache is not timed.
-        {chunk: synced(lm.device, lambda c=chunk: _prefilled(lm, c, ids)) for chunk in args.chunks},
+        {
+            chunk: synced(lm.device, lambda c=chunk: kept(Session(lm, chunk_size=c), "prefill", ids))
+            for chunk in args.chunks
+        },
     )
     for chunk in args.chunks:
         best[chunk]["seconds"] = timed[chunk][0]

@@ -131,6 +131,13 @@ def run_child(code: str, env: dict[str, str] | None = None) -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
+def kept(session, method: str, *args):
+    """Call ``session.method(*args)`` and return the session: a timed run that returns what it
+    built is not charged for freeing it (the baselines keep theirs too)."""
+    getattr(session, method)(*args)
+    return session
+
+
 def synced(device, fn: Callable[[], Any]) -> Callable[[], Any]:
     """``fn`` followed by a wait for the GPU, so a timing covers the work it queued."""
     import torch

@@ -18,14 +18,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import best_of_each, describe, document, machine, model_arguments, synced, table, write_json  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    best_of_each,
+    describe,
+    document,
+    kept,
+    machine,
+    model_arguments,
+    synced,
+    table,
+    write_json,
+)
 from kvsnap.models import load_model  # noqa: E402
 from kvsnap.session import Session  # noqa: E402
-
-
-def _ran(session: Session, method: str, *args) -> Session:
-    getattr(session, method)(*args)
-    return session
 
 
 def measure(lm, n: int, repeats: int, folder: Path, codec: str) -> dict:
@@ -39,8 +44,8 @@ def measure(lm, n: int, repeats: int, folder: Path, codec: str) -> dict:
         repeats,
         {
             # Each returns its session, so freeing the cache is not timed.
-            "recompute": synced(dev, lambda: _ran(Session(lm), "prefill", ids)),
-            "load": synced(dev, lambda: _ran(Session(lm, codec=codec), "restore", snap, ids)),
+            "recompute": synced(dev, lambda: kept(Session(lm), "prefill", ids)),
+            "load": synced(dev, lambda: kept(Session(lm, codec=codec), "restore", snap, ids)),
         },
     )
     recompute_s, load_s = times["recompute"][0], times["load"][0]

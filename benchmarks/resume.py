@@ -28,6 +28,7 @@ from benchmarks.common import (  # noqa: E402
     best_of_each,
     describe,
     document,
+    kept,
     machine,
     model_arguments,
     run_child,
@@ -159,7 +160,7 @@ def measure(lm, n: int, repeats: int, folder: Path, model: str, dtype: str, code
         repeats + 1,
         {
             # Each reader returns what it read, so freeing it is not timed (for any of them).
-            "restore": synced(dev, lambda: _restored(lm, snap, prefix_ids)),
+            "restore": synced(dev, lambda: kept(Session(lm), "restore", snap, prefix_ids)),
             "safetensors": synced(dev, st_read),
             "torch_load": synced(dev, lambda: torch.load(pt, weights_only=False, map_location=dev)),
         },
@@ -208,12 +209,6 @@ def measure(lm, n: int, repeats: int, folder: Path, model: str, dtype: str, code
         "new_process_st_load_s": new_st_s,
         "new_process_restore_vs_st_load": new_restore_s / new_st_s,
     }
-
-
-def _restored(lm, snap: Path, prefix_ids: list[int]) -> Session:
-    session = Session(lm)
-    session.restore(snap, prefix_ids)
-    return session
 
 
 def _fresh_copy(session: Session) -> Session:

@@ -10,7 +10,7 @@ import typer
 
 from cli import options as o
 from cli import ui
-from cli.common import guarded, open_store
+from cli.common import guarded, open_session
 
 HELP = """commands:
   /save [FILE]  save the session now (default: the autosave file)
@@ -55,30 +55,29 @@ def chat(
     Reads one message per line. When stdin is not a terminal (a pipe or a file), each line is a
     user message and /exit or end of input ends the chat.
     """
-    from kvsnap.codec import ALL_CODECS
     from kvsnap.errors import ConfigError, SnapshotError
     from kvsnap.jobs import check_save_target
     from kvsnap.runner import SamplingParams
-    from kvsnap.session import Session
+    from kvsnap.session import check_codec
 
     if on_mismatch not in ("ask", "error", "recompute"):
         raise ConfigError(f"--on-mismatch must be ask, error or recompute, not {on_mismatch!r}")
-    if codec not in ALL_CODECS:
-        raise ConfigError(f"unknown codec {codec!r} (known: {', '.join(ALL_CODECS)})")
+    check_codec(codec)
     check_save_target(save or resume)
     if store_session is not None and store is None:
         raise ConfigError("--store-session needs --store DIR")
 
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    block_store = open_store(store, store_budget)
-    lm = ui.load_model(model, device, dtype)
-    session = Session(
-        lm,
+    session = open_session(
+        model,
+        device,
+        dtype,
+        store,
+        store_budget,
         chunk_size=chunk_size,
         block_size=block_size,
         codec=codec,
         namespace=namespace,
-        store=block_store,
         kv_dtype=kv_dtype,
     )
     autosave = save or resume

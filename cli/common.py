@@ -45,3 +45,11 @@ def open_store(path, budget: str | None):
     from kvsnap.store import BlockStore, parse_size
 
     return BlockStore(path, budget_bytes=parse_size(budget) if budget is not None else None)
+
+
+def open_session(model: str, device: str, dtype: str, store, store_budget: str | None, **options: Any):
+    """The Session ``chat`` and ``run`` work with: the block store opened, then the model loaded."""
+    from kvsnap.session import Session
+
+    block_store = open_store(store, store_budget)
+    return Session(ui.load_model(model, device, dtype), store=block_store, **options)

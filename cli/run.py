@@ -10,7 +10,7 @@ import typer
 
 from cli import options as o
 from cli import ui
-from cli.common import guarded, open_store
+from cli.common import guarded, open_session
 
 
 @guarded
@@ -58,11 +58,10 @@ def run(
 
       kvsnap run --prompt-file doc.txt --prompt "Q: who wrote it? A:" --resume doc.kv --json
     """
-    from kvsnap.codec import ALL_CODECS
     from kvsnap.errors import ConfigError, KvsnapError
     from kvsnap.jobs import Job, check_save_target, error_row, parse_jobs, run_job
     from kvsnap.runner import SamplingParams
-    from kvsnap.session import Session
+    from kvsnap.session import check_codec
 
     if batch is None and prompt is None and prompt_file is None:
         raise ConfigError("give --prompt, --prompt-file or --batch (see kvsnap run --help)")
@@ -70,8 +69,7 @@ def run(
         raise ConfigError("--batch cannot be combined with --prompt or --prompt-file")
     if batch is not None and (save is not None or chat or system is not None):
         raise ConfigError('with --batch, give "save", "chat" and "system" per job in the JSONL file')
-    if codec not in ALL_CODECS:
-        raise ConfigError(f"unknown codec {codec!r} (known: {', '.join(ALL_CODECS)})")
+    check_codec(codec)
     if on_mismatch not in ("error", "recompute"):
         raise ConfigError(f"--on-mismatch must be error or recompute, not {on_mismatch!r}")
     check_save_target(save)
@@ -87,15 +85,16 @@ def run(
     )
     if batch is not None:
         lines = sys.stdin if str(batch) == "-" else _open_batch(batch)
-    block_store = open_store(store, store_budget)
-    lm = ui.load_model(model, device, dtype)
-    session = Session(
-        lm,
+    session = open_session(
+        model,
+        device,
+        dtype,
+        store,
+        store_budget,
         chunk_size=chunk_size,
         block_size=block_size,
         codec=codec,
         namespace=namespace,
-        store=block_store,
         kv_dtype=kv_dtype,
     )
 

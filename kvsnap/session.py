@@ -90,6 +90,12 @@ class SaveStats:
     seconds: float
 
 
+def check_codec(codec: str) -> None:
+    """Refuse an unknown snapshot codec (the CLI calls this before loading a model)."""
+    if codec not in codecs.ALL_CODECS:
+        raise ConfigError(f"unknown codec {codec!r} (known: {', '.join(codecs.ALL_CODECS)})")
+
+
 class Session:
     """Tokens whose KV is held in ``cache`` (plus at most the sampled tokens not yet run), chat messages.
 
@@ -113,8 +119,7 @@ class Session:
             raise ConfigError("block_size must be >= 1")
         if chunk_size < 1:
             raise ConfigError("chunk_size must be >= 1")
-        if codec not in codecs.ALL_CODECS:
-            raise ConfigError(f"unknown codec {codec!r} (known: {', '.join(codecs.ALL_CODECS)})")
+        check_codec(codec)
         if store is not None and codec in codecs.LOSSY_CODECS:
             raise ConfigError("a lossy codec is for .kv files; blocks in the store are shared and kept exact")
         self.lm = lm
