@@ -19,8 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import best_of_each, describe, document, kept, machine, run_child, synced, table, write_json  # noqa: E402
+from kvsnap.engine.session import Session  # noqa: E402
 from kvsnap.models import load_model  # noqa: E402
-from kvsnap.session import Session  # noqa: E402
 
 _CHILD = """
 import json, resource, sys, time
@@ -28,7 +28,7 @@ sys.path.insert(0, {root!r})
 import torch
 from benchmarks.common import document
 from kvsnap.models import load_model
-from kvsnap.session import Session
+from kvsnap.engine.session import Session
 lm = load_model({model!r}, device={device!r})
 ids = document(lm.tokenizer, {tokens})
 Session(lm).prefill(ids[:64])  # warm up

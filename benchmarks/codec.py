@@ -17,10 +17,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import describe, document, machine, table, write_json  # noqa: E402
-from kvsnap import cache as kvcache  # noqa: E402
-from kvsnap import codec as codecs  # noqa: E402
+from kvsnap.engine.session import Session  # noqa: E402
+from kvsnap.format import codec as codecs  # noqa: E402
 from kvsnap.models import load_model  # noqa: E402
-from kvsnap.session import Session  # noqa: E402
 
 
 def main() -> None:
@@ -36,7 +35,7 @@ def main() -> None:
         session = Session(lm)
         session.prefill(document(lm.tokenizer, args.tokens))
         bs = args.block_size
-        raws = [kvcache.block_raw(session.cache, s, min(s + bs, args.tokens)).copy() for s in range(0, args.tokens, bs)]
+        raws = [session.cache.block_raw(s, min(s + bs, args.tokens)).copy() for s in range(0, args.tokens, bs)]
         raw_bytes = sum(r.size for r in raws)
         # The default's design choice, measured: a byte plane is stored compressed only where that
         # saves 3%; "every plane" compresses all of them (the same format, another threshold).

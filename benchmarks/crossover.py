@@ -29,8 +29,8 @@ from benchmarks.common import (  # noqa: E402
     table,
     write_json,
 )
+from kvsnap.engine.session import Session  # noqa: E402
 from kvsnap.models import load_model  # noqa: E402
-from kvsnap.session import Session  # noqa: E402
 
 
 def measure(lm, n: int, repeats: int, folder: Path, codec: str) -> dict:

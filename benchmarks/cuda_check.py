@@ -20,10 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks.common import best_of_each, describe, document, machine, write_json  # noqa: E402
-from kvsnap import cache as kvcache  # noqa: E402
+from kvsnap.config import SamplingParams  # noqa: E402
+from kvsnap.engine import cache as kvcache  # noqa: E402
+from kvsnap.engine.session import Session  # noqa: E402
 from kvsnap.models import load_model  # noqa: E402
-from kvsnap.runner import SamplingParams  # noqa: E402
-from kvsnap.session import Session  # noqa: E402
 
 SUFFIX = 32
 GREEDY = SamplingParams(max_new_tokens=32, temperature=0)

@@ -21,10 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks.common import describe, document, machine, table, write_json  # noqa: E402
+from kvsnap.config import SamplingParams  # noqa: E402
+from kvsnap.engine.session import Session  # noqa: E402
+from kvsnap.format import Snapshot  # noqa: E402
 from kvsnap.models import load_model  # noqa: E402
-from kvsnap.runner import SamplingParams  # noqa: E402
-from kvsnap.session import Session  # noqa: E402
-from kvsnap.snapshot import Snapshot  # noqa: E402
 
 LLAMA_CPP_BYTES_PER_TOKEN = 23_056  # its f16 session file for this model, uncompressed
 QUESTION = 32

@@ -36,10 +36,10 @@ from benchmarks.common import (  # noqa: E402
     table,
     write_json,
 )
+from kvsnap.config import SamplingParams  # noqa: E402
+from kvsnap.engine.session import Session  # noqa: E402
+from kvsnap.format import Snapshot  # noqa: E402
 from kvsnap.models import load_model  # noqa: E402
-from kvsnap.runner import SamplingParams  # noqa: E402
-from kvsnap.session import Session  # noqa: E402
-from kvsnap.snapshot import Snapshot  # noqa: E402
 
 SUFFIX = 32
 ONE = SamplingParams(max_new_tokens=1, temperature=0)
@@ -60,8 +60,8 @@ def sync():
 if kind in ("cold", "resumed"):
     from benchmarks.common import document
     from kvsnap.models import load_model
-    from kvsnap.runner import SamplingParams
-    from kvsnap.session import Session
+    from kvsnap.config import SamplingParams
+    from kvsnap.engine.session import Session
     lm = load_model({model!r}, device=device, dtype={dtype!r})
     ids = document(lm.tokenizer, tokens)
     resume = path if kind == "resumed" else None
@@ -71,8 +71,8 @@ if kind in ("cold", "resumed"):
     sys.exit(0)
 if kind == "restore":
     from kvsnap.models import load_model
-    from kvsnap.session import Session
-    from kvsnap.snapshot import Snapshot
+    from kvsnap.engine.session import Session
+    from kvsnap.format import Snapshot
     lm = load_model({model!r}, device=device, dtype={dtype!r})
     with Snapshot(path) as snap:
         ids = snap.tokens

@@ -16,8 +16,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import describe, document, machine, table, write_json  # noqa: E402
+from kvsnap.engine.session import Session  # noqa: E402
 from kvsnap.models import load_model  # noqa: E402
-from kvsnap.session import Session  # noqa: E402
 from kvsnap.store import BlockStore  # noqa: E402
 
 
@@ -45,10 +45,10 @@ def main() -> None:
             store = BlockStore(Path(tmp) / f"store{n}")
             stored = Session(lm, store=store)
             stored.prefill(ids[:n])
-            stored.save_to_store("chat")
+            stored.store_session("chat")
             stored.prefill(ids)
             t0 = time.perf_counter()
-            new_in_store = stored.save_to_store("chat")
+            new_in_store = stored.store_session("chat")
             store_turn = time.perf_counter() - t0
             rows.append(
                 {

@@ -28,9 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import table, write_json  # noqa: E402
 from kvsnap import hashing  # noqa: E402
-from kvsnap.blockindex import BlockIndex, BlockRecord, ChainInfo  # noqa: E402
-from kvsnap.snapshot import KVLayout, encode_block  # noqa: E402
-from kvsnap.store import BlockStore  # noqa: E402
+from kvsnap.format import encode_block  # noqa: E402
+from kvsnap.store import (  # noqa: E402
+    BlockIndex,
+    BlockRecord,
+    BlockStore,  # noqa: E402
+    ChainInfo,
+)
+from kvsnap.types import KVLayout  # noqa: E402
 
 BLOCK_SIZE = 4
 LAYOUT = KVLayout(1, 1, 1, "float32")  # 4 bytes a token: a block of the replay store is 16 bytes

@@ -11,6 +11,7 @@ import typer
 from cli import options as o
 from cli import ui
 from cli.common import guarded, open_session
+from kvsnap.config import CHAT_SAMPLING
 
 HELP = """commands:
   /save [FILE]  save the session now (default: the autosave file)
@@ -21,8 +22,8 @@ HELP = """commands:
 
 
 @guarded
+@o.session_options(CHAT_SAMPLING)
 def chat(
-    model: o.Model = "smollm2-135m",
     resume: Annotated[
         Path | None, typer.Option(help="Resume this snapshot (started fresh if it does not exist).")
     ] = None,
@@ -34,52 +35,25 @@ def chat(
         typer.Option(help="If the --resume snapshot is refused: ask (error when not a terminal), error, recompute."),
     ] = "ask",
     system: Annotated[str | None, typer.Option(help="System message for a new conversation.")] = None,
-    max_new_tokens: o.MaxNewTokens = 512,
-    temperature: o.Temperature = 0.7,
-    top_p: o.TopP = 0.95,
-    top_k: o.TopK = 0,
-    seed: o.Seed = None,
-    chunk_size: o.ChunkSize = 512,
-    namespace: o.Namespace = "",
-    store: o.Store = None,
-    store_budget: o.StoreBudget = None,
-    store_session: o.StoreSession = None,
-    block_size: o.BlockSize = 64,
-    codec: o.Codec = "shuffle-zstd",
-    kv_dtype: o.KvDtype = None,
-    device: o.Device = "auto",
-    dtype: o.Dtype = "auto",
+    *,
+    opts: o.SessionOptions,
 ) -> None:
     """Chat with a local model; the conversation's KV cache is saved after every turn and resumed for free.
 
     Reads one message per line. When stdin is not a terminal (a pipe or a file), each line is a
     user message and /exit or end of input ends the chat.
     """
+    from cli.batch import check_save_target
+    from kvsnap.config import ON_MISMATCH, check_choice
     from kvsnap.errors import ConfigError, SnapshotError
-    from kvsnap.jobs import check_save_target
-    from kvsnap.runner import SamplingParams
-    from kvsnap.session import check_codec
 
-    if on_mismatch not in ("ask", "error", "recompute"):
-        raise ConfigError(f"--on-mismatch must be ask, error or recompute, not {on_mismatch!r}")
-    check_codec(codec)
+    check_choice("--on-mismatch", on_mismatch, ("ask", *ON_MISMATCH))
+    session_config = opts.session_config()
     check_save_target(save or resume)
-    if store_session is not None and store is None:
+    if opts.store_session is not None and opts.store is None:
         raise ConfigError("--store-session needs --store DIR")
-
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    session = open_session(
-        model,
-        device,
-        dtype,
-        store,
-        store_budget,
-        chunk_size=chunk_size,
-        block_size=block_size,
-        codec=codec,
-        namespace=namespace,
-        kv_dtype=kv_dtype,
-    )
+    params = opts.sampling()
+    session = open_session(opts, session_config)
     autosave = save or resume
     interactive = sys.stdin.isatty()
     if resume is not None and not resume.exists():
@@ -126,7 +100,7 @@ def chat(
         try:
             with ui.prefill_progress() as progress:
                 result = session.chat(
-                    text, params, system=system, on_text=ui.emit, on_progress=progress, store_session=store_session
+                    text, params, system=system, on_text=ui.emit, on_progress=progress, store_session=opts.store_session
                 )
         except KeyboardInterrupt:
             # Interrupted while reading the message in: the session is as it was before it.

@@ -5,12 +5,16 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from cli import ui
 from kvsnap.errors import KvsnapError
+
+if TYPE_CHECKING:
+    from cli.options import SessionOptions
+    from kvsnap.config import SessionConfig
 
 state = {"debug": os.environ.get("KVSNAP_DEBUG") == "1"}
 
@@ -42,14 +46,16 @@ def open_store(path, budget: str | None):
 
             raise ConfigError("--store-budget needs --store DIR")
         return None
-    from kvsnap.store import BlockStore, parse_size
+    from cli.options import parse_size
+    from kvsnap.store import BlockStore
 
     return BlockStore(path, budget_bytes=parse_size(budget) if budget is not None else None)
 
 
-def open_session(model: str, device: str, dtype: str, store, store_budget: str | None, **options: Any):
-    """The Session ``chat`` and ``run`` work with: the block store opened, then the model loaded."""
-    from kvsnap.session import Session
+def open_session(opts: SessionOptions, session_config: SessionConfig | None = None):
+    """The Session ``chat`` and ``run`` work with: settings checked, the block store opened, then the model loaded."""
+    from kvsnap.engine.session import Session
 
-    block_store = open_store(store, store_budget)
-    return Session(ui.load_model(model, device, dtype), store=block_store, **options)
+    session_config = session_config or opts.session_config()
+    block_store = open_store(opts.store, opts.store_budget)
+    return Session(ui.load_model(opts.model, opts.device, opts.dtype), session_config, store=block_store)

@@ -10,6 +10,7 @@ import typer
 from cli import ui
 from cli.common import guarded
 from cli.options import Json
+from kvsnap.config import DEFAULT_CHUNK_SIZE
 
 
 @guarded
@@ -17,15 +18,15 @@ def inspect(
     file: Annotated[Path, typer.Argument(help="The .kv snapshot to inspect.")],
     prompt: Annotated[str | None, typer.Option(help="Show what this raw prompt would reuse.")] = None,
     prompt_file: Annotated[Path | None, typer.Option(help="Read the prompt from a file (then --prompt).")] = None,
-    chunk_size: Annotated[int, typer.Option(min=1, help="Chunk size for the suffix plan.")] = 512,
+    chunk_size: Annotated[int, typer.Option(min=1, help="Chunk size for the suffix plan.")] = DEFAULT_CHUNK_SIZE,
     verify: Annotated[bool, typer.Option("--verify", help="Check every block's checksum and decoding.")] = False,
     json_out: Json = False,
 ) -> None:
     """Show a snapshot: model, tokens, blocks, sizes, codec, chat turns; with a prompt, its hit stats."""
+    from cli.batch import read_prompt_file
     from kvsnap import describe
     from kvsnap.errors import ConfigError
-    from kvsnap.jobs import read_prompt_file
-    from kvsnap.snapshot import Snapshot
+    from kvsnap.format.reader import Snapshot
 
     with Snapshot(file) as snap:
         model = snap.meta.model

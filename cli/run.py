@@ -11,9 +11,11 @@ import typer
 from cli import options as o
 from cli import ui
 from cli.common import guarded, open_session
+from kvsnap.config import RUN_SAMPLING
 
 
 @guarded
+@o.session_options(RUN_SAMPLING)
 def run(
     prompt: Annotated[str | None, typer.Option(help="The prompt text (raw, no chat template unless --chat).")] = None,
     prompt_file: Annotated[
@@ -32,23 +34,9 @@ def run(
     ] = "error",
     save: o.Save = None,
     json_out: o.Json = False,
-    model: o.Model = "smollm2-135m",
-    max_new_tokens: o.MaxNewTokens = 256,
-    temperature: o.Temperature = 0.0,
-    top_p: o.TopP = 1.0,
-    top_k: o.TopK = 0,
-    seed: o.Seed = None,
     stop: o.Stop = None,
-    chunk_size: o.ChunkSize = 512,
-    namespace: o.Namespace = "",
-    store: o.Store = None,
-    store_budget: o.StoreBudget = None,
-    store_session: o.StoreSession = None,
-    block_size: o.BlockSize = 64,
-    codec: o.Codec = "shuffle-zstd",
-    kv_dtype: o.KvDtype = None,
-    device: o.Device = "auto",
-    dtype: o.Dtype = "auto",
+    *,
+    opts: o.SessionOptions,
 ) -> None:
     """Run one prompt (or a batch), reusing a snapshot's matching prefix and saving the result.
 
@@ -58,10 +46,9 @@ def run(
 
       kvsnap run --prompt-file doc.txt --prompt "Q: who wrote it? A:" --resume doc.kv --json
     """
+    from cli.batch import Job, check_save_target, error_row, parse_jobs, run_job
+    from kvsnap.config import ON_MISMATCH, check_choice
     from kvsnap.errors import ConfigError, KvsnapError
-    from kvsnap.jobs import Job, check_save_target, error_row, parse_jobs, run_job
-    from kvsnap.runner import SamplingParams
-    from kvsnap.session import check_codec
 
     if batch is None and prompt is None and prompt_file is None:
         raise ConfigError("give --prompt, --prompt-file or --batch (see kvsnap run --help)")
@@ -69,34 +56,15 @@ def run(
         raise ConfigError("--batch cannot be combined with --prompt or --prompt-file")
     if batch is not None and (save is not None or chat or system is not None):
         raise ConfigError('with --batch, give "save", "chat" and "system" per job in the JSONL file')
-    check_codec(codec)
-    if on_mismatch not in ("error", "recompute"):
-        raise ConfigError(f"--on-mismatch must be error or recompute, not {on_mismatch!r}")
+    check_choice("--on-mismatch", on_mismatch, ON_MISMATCH)
+    session_config = opts.session_config()
     check_save_target(save)
-    if store_session is not None and (store is None or batch is not None):
+    if opts.store_session is not None and (opts.store is None or batch is not None):
         raise ConfigError("--store-session needs --store DIR and a single prompt")
-    defaults = SamplingParams(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        stop=tuple(stop or ()),
-    )
+    defaults = opts.sampling(stop=tuple(stop or ()))
     if batch is not None:
         lines = sys.stdin if str(batch) == "-" else _open_batch(batch)
-    session = open_session(
-        model,
-        device,
-        dtype,
-        store,
-        store_budget,
-        chunk_size=chunk_size,
-        block_size=block_size,
-        codec=codec,
-        namespace=namespace,
-        kv_dtype=kv_dtype,
-    )
+    session = open_session(opts, session_config)
 
     if batch is None:
         job = Job(
@@ -117,7 +85,7 @@ def run(
                 on_text=stream,
                 on_progress=progress,
                 on_mismatch=on_mismatch,
-                store_session=store_session,
+                store_session=opts.store_session,
             )
         if row.get("restore_error"):
             ui.note(f"snapshot refused, recomputed from scratch: {row['restore_error']}")

@@ -18,9 +18,6 @@ from cli import ui
 from cli.common import guarded
 
 if TYPE_CHECKING:
-    from rich.console import Console
-    from rich.tree import Tree
-
     from kvsnap.describe import LightTokenizer
     from kvsnap.store import BlockStore
 
@@ -39,29 +36,11 @@ Name = Annotated[
     str, typer.Argument(metavar="NAME", help="A session's name in the store (see `kvsnap store sessions`).")
 ]
 
-# Longest token-text preview in the tree, in characters of its repr.
-PREVIEW_CHARS = 60
-
 
 def _open(path: Path, *, create: bool = False) -> BlockStore:
     from kvsnap.store import BlockStore
 
     return BlockStore(path, create=create)
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n:,} {word}{'' if n == 1 else 's'}"
-
-
-def _out() -> Console:
-    from rich.console import Console
-
-    return Console(highlight=False)
-
-
-def _say(text: str) -> None:
-    """A one-line report on stdout, never wrapped (scripts grep it); no markup, so names print as they are."""
-    _out().print(text, markup=False, soft_wrap=True)
 
 
 # -- stats and sessions -------------------------------------------------------------------------
@@ -75,31 +54,7 @@ def stats(store_dir: Dir, json_out: Json = False) -> None:
     if json_out:
         ui.print_json(info)
         return
-    from rich.table import Table
-
-    budget = info["budget_bytes"]
-    used = f" ({info['bytes'] / budget:.0%} of the budget)" if budget else ""
-    rows = [
-        ("store", info["path"]),
-        ("blocks", f"{info['blocks']:,} ({info['leaves']:,} leaves) in {_plural(info['roots'], 'chain')}"),
-        ("bytes", f"{ui.human_bytes(info['bytes'])}{used}, {ui.human_bytes(info['raw_bytes'])} raw"),
-        ("budget", ui.human_bytes(budget) if budget is not None else "none"),
-        ("sessions", f"{info['sessions']:,} ({info['pinned_sessions']:,} pinned)"),
-        ("pinned", ui.human_bytes(info["pinned_bytes"])),
-        (
-            "lookups",
-            f"{info['lookups']:,}: {info['hits']:,} of {info['lookup_blocks']:,} blocks hit "
-            f"({info['block_hit_rate']:.1%}), {info['hit_tokens']:,} of {info['prompt_tokens']:,} tokens reused",
-        ),
-        ("evictions", f"{info['evictions']:,}"),
-        ("damaged", f"{info['damaged']:,} blocks found damaged and dropped"),
-    ]
-    table = Table(show_header=False, box=None, pad_edge=False)
-    table.add_column(style="bold")
-    table.add_column()
-    for key, value in rows:
-        table.add_row(key, value)
-    _out().print(table)
+    ui.print_store_stats(info)
 
 
 @app.command("sessions")
@@ -123,19 +78,7 @@ def sessions(store_dir: Dir, json_out: Json = False) -> None:
     if json_out:
         ui.print_json({"sessions": rows})
         return
-    if not rows:
-        ui.note("no sessions in the store")
-        return
-    from rich.table import Table
-
-    table = Table(box=None, pad_edge=False)
-    for col in ("name", "tokens", "blocks", "pinned", "chat", "model"):
-        table.add_column(col, justify="right" if col in ("tokens", "blocks", "chat") else "left")
-    for r in rows:
-        blocks = f"{r['blocks']}" if r["present_blocks"] == r["blocks"] else f"{r['present_blocks']}/{r['blocks']}"
-        chat = str(r["chat_turns"]) if r["chat_turns"] is not None else "-"
-        table.add_row(r["name"], f"{r['tokens']:,}", blocks, "yes" if r["pinned"] else "", chat, r["model"] or "?")
-    _out().print(table)
+    ui.print_store_sessions(rows)
 
 
 # -- tree ----------------------------------------------------------------------------------------
@@ -164,13 +107,7 @@ def tree(
     if json_out:
         ui.print_json({"path": str(store_dir), "clock": view["clock"], "roots": roots})
         return
-    out = _out()
-    if not roots:
-        ui.note("the store holds no blocks")
-        return
-    out.print(f"{store_dir}: last use counts on the store's clock (now {view['clock']:,})", style="dim", markup=False)
-    for root in roots:
-        out.print(_render_root(root))
+    ui.print_store_tree(store_dir, view["clock"], roots)
 
 
 def _annotate(nodes: list[dict[str, Any]], tok: LightTokenizer | None, depth: int | None, level: int) -> list:
@@ -194,53 +131,6 @@ def _count(nodes: list[dict[str, Any]]) -> int:
     return sum(1 + _count(n["children"]) for n in nodes)
 
 
-def _render_root(root: dict[str, Any]) -> Tree:
-    from rich.text import Text
-    from rich.tree import Tree
-
-    lay = root["layout"]
-    label = Text.assemble(
-        (root["model"], "bold"),
-        (f"  block size {root['block_size']}, {lay['dtype']}, root {root['root'][:12]}", "dim"),
-    )
-    top = Tree(label)
-    _render_nodes(top, root["children"])
-    return top
-
-
-def _render_nodes(parent: Tree, nodes: list[dict[str, Any]]) -> None:
-    from rich.text import Text
-
-    for node in nodes:
-        label = Text()
-        if "text" in node:
-            label.append(_preview(node["text"]), style="green")
-            label.append("  ")
-        label.append(f"{_plural(node['tokens'], 'token')}", style="bold")
-        details = [
-            _plural(node["blocks"], "block") + (" (last partial)" if node["partial"] else ""),
-            ui.human_bytes(node["bytes"]),
-            f"last use {node['last_use']:,}",
-        ]
-        label.append("  " + ", ".join(details), style="dim")
-        if node["pins"]:
-            label.append(f"  pinned x{node['pins']}", style="yellow")
-        if node["sessions"]:
-            label.append("  <- " + ", ".join(node["sessions"]), style="cyan")
-        branch = parent.add(label)
-        _render_nodes(branch, node["children"])
-        if node.get("hidden_nodes"):
-            branch.add(Text(f"... {_plural(node['hidden_nodes'], 'more node')} below", style="dim"))
-
-
-def _preview(text: str) -> str:
-    shown = repr(text)
-    if len(shown) <= PREVIEW_CHARS:
-        return shown
-    half = (PREVIEW_CHARS - 3) // 2
-    return shown[:half] + "..." + shown[-half:]
-
-
 # -- upkeep --------------------------------------------------------------------------------------
 
 
@@ -260,11 +150,12 @@ def gc(store_dir: Dir, json_out: Json = False) -> None:
     if json_out:
         ui.print_json(info)
         return
-    _say(
-        f"removed {_plural(report['temp_files'], 'temp file')} and {_plural(report['orphan_files'], 'orphan file')}; "
-        f"dropped {_plural(report['dropped_blocks'], 'missing or damaged block')} and "
-        f"{_plural(report['dropped_sessions'], 'empty session')}; evicted {_plural(report['evicted'], 'block')}. "
-        f"Store: {_plural(after['blocks'], 'block')}, {ui.human_bytes(after['bytes'])}."
+    ui.say(
+        f"removed {ui.plural(report['temp_files'], 'temp file')} and "
+        f"{ui.plural(report['orphan_files'], 'orphan file')}; "
+        f"dropped {ui.plural(report['dropped_blocks'], 'missing or damaged block')} and "
+        f"{ui.plural(report['dropped_sessions'], 'empty session')}; evicted {ui.plural(report['evicted'], 'block')}. "
+        f"Store: {ui.plural(after['blocks'], 'block')}, {ui.human_bytes(after['bytes'])}."
     )
 
 
@@ -281,14 +172,15 @@ def check(store_dir: Dir, json_out: Json = False) -> None:
         ui.print_json({"path": str(store_dir), "ok": not problems, "problems": problems})
     elif not problems:
         info = store.stats()
-        _say(
-            f"{store_dir}: sound ({_plural(info['blocks'], 'block')} verified, {_plural(info['sessions'], 'session')})"
+        ui.say(
+            f"{store_dir}: sound ({ui.plural(info['blocks'], 'block')} verified, "
+            f"{ui.plural(info['sessions'], 'session')})"
         )
     else:
         for p in problems:
-            _say(f"- {p}")
+            ui.say(f"- {p}")
     if problems:
-        ui.error(f"{store_dir}: {_plural(len(problems), 'problem')} found (kvsnap store gc repairs what it can)")
+        ui.error(f"{store_dir}: {ui.plural(len(problems), 'problem')} found (kvsnap store gc repairs what it can)")
         raise typer.Exit(1)
 
 
@@ -307,7 +199,7 @@ def budget(
     json_out: Json = False,
 ) -> None:
     """Set the store's budget (kept in the store) and evict least recently used leaves at once to fit it."""
-    from kvsnap.store import parse_size
+    from cli.options import parse_size
 
     budget_bytes = None if size.strip().lower() == "none" else parse_size(size)
     store = _open(store_dir)
@@ -324,9 +216,9 @@ def budget(
         ui.print_json(info)
         return
     shown = ui.human_bytes(budget_bytes) if budget_bytes is not None else "none"
-    _say(
-        f"budget {shown}: evicted {_plural(len(evicted), 'block')}; "
-        f"store now {_plural(after['blocks'], 'block')}, {ui.human_bytes(after['bytes'])}"
+    ui.say(
+        f"budget {shown}: evicted {ui.plural(len(evicted), 'block')}; "
+        f"store now {ui.plural(after['blocks'], 'block')}, {ui.human_bytes(after['bytes'])}"
     )
     if budget_bytes is not None and after["bytes"] > budget_bytes:
         ui.note(
@@ -346,7 +238,7 @@ def pin(store_dir: Dir, name: Name, json_out: Json = False) -> None:
     if json_out:
         ui.print_json({"session": name, "pinned": True})
     else:
-        _say(f"pinned session {name!r}: its blocks are kept from eviction")
+        ui.say(f"pinned session {name!r}: its blocks are kept from eviction")
 
 
 @app.command("unpin")
@@ -357,7 +249,7 @@ def unpin(store_dir: Dir, name: Name, json_out: Json = False) -> None:
     if json_out:
         ui.print_json({"session": name, "pinned": False, "evicted": len(evicted)})
     else:
-        _say(f"unpinned session {name!r}; evicted {_plural(len(evicted), 'block')}")
+        ui.say(f"unpinned session {name!r}; evicted {ui.plural(len(evicted), 'block')}")
 
 
 @app.command("rm")
@@ -368,7 +260,7 @@ def rm(store_dir: Dir, name: Name, json_out: Json = False) -> None:
     if json_out:
         ui.print_json({"session": name, "removed": True, "evicted": len(evicted)})
     else:
-        _say(f"removed session {name!r} (its blocks stay as cache); evicted {_plural(len(evicted), 'block')}")
+        ui.say(f"removed session {name!r} (its blocks stay as cache); evicted {ui.plural(len(evicted), 'block')}")
 
 
 # -- .kv interchange -----------------------------------------------------------------------------
@@ -398,9 +290,9 @@ def export(
     if json_out:
         ui.print_json(info)
     else:
-        _say(
-            f"wrote session {name!r} to {out}: {_plural(info['tokens'], 'token')}, "
-            f"{_plural(info['blocks'], 'block')}, {ui.human_bytes(size)}"
+        ui.say(
+            f"wrote session {name!r} to {out}: {ui.plural(info['tokens'], 'token')}, "
+            f"{ui.plural(info['blocks'], 'block')}, {ui.human_bytes(size)}"
         )
 
 
@@ -438,8 +330,8 @@ def import_(
     if json_out:
         ui.print_json(info)
     else:
-        _say(
-            f"imported {file} as session {session!r}: {_plural(result.stored_tokens, 'token')} stored, "
-            f"{_plural(result.new_blocks, 'new block')}, {result.reused_blocks:,} already stored; "
-            f"evicted {_plural(len(result.evicted), 'block')}"
+        ui.say(
+            f"imported {file} as session {session!r}: {ui.plural(result.stored_tokens, 'token')} stored, "
+            f"{ui.plural(result.new_blocks, 'new block')}, {result.reused_blocks:,} already stored; "
+            f"evicted {ui.plural(len(result.evicted), 'block')}"
         )

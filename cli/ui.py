@@ -12,6 +12,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
+from rich.tree import Tree
 
 err = Console(stderr=True, highlight=False)
 # Below this many uncached tokens a prefill is too short for a progress bar to be worth drawing.
@@ -134,10 +136,7 @@ def human_bytes(n: int | None) -> str:
 
 
 def print_inspect(info: dict[str, Any]) -> None:
-    out = Console(highlight=False)
-    table = Table(show_header=False, box=None, pad_edge=False)
-    table.add_column(style="bold")
-    table.add_column()
+    console = out()
     lay = info["layout"]
     ratio = f" ({info['ratio']:.2f}x raw)" if info.get("ratio") else ""
     rows = [
@@ -157,23 +156,136 @@ def print_inspect(info: dict[str, Any]) -> None:
         rows.append(("chat", f"{info['chat_turns']} messages"))
     if "verified" in info:
         rows.append(("integrity", "all blocks verified" if info["verified"] else "; ".join(info["problems"])))
-    for key, value in rows:
-        table.add_row(key, str(value))
-    out.print(table)
+    console.print(_key_value_table(rows))
     if "preview_start" in info:
-        out.print(f"[bold]start[/] {info['preview_start']!r}")
+        console.print(f"[bold]start[/] {info['preview_start']!r}")
         if info.get("preview_end"):
-            out.print(f"[bold]end[/]   {info['preview_end']!r}")
+            console.print(f"[bold]end[/]   {info['preview_end']!r}")
     for m in info.get("messages") or []:
         content = m["content"] if len(m["content"]) <= 100 else m["content"][:97] + "..."
-        out.print(f"  [dim]{m['role']}:[/] {content}")
+        console.print(f"  [dim]{m['role']}:[/] {content}")
     if "prompt_tokens" in info:
         sizes = info["chunk_sizes"]
         shown = ", ".join(map(str, sizes[:8])) + (", ..." if len(sizes) > 8 else "")
-        out.print(
+        console.print(
             f"[bold]prompt[/] {info['prompt_tokens']:,} tokens: [green]{info['hit_tokens']:,} hit[/] "
             f"({info['reuse_ratio']:.1%}, {info['blocks_to_read']} blocks to read), "
             f"{info['prefill_tokens']:,} to prefill in {info['chunks']} chunks [{shown}]"
             + (" (logits from snapshot)" if info["logits_source"] == "snapshot" else "")
             + (" (backs off one token for logits)" if info["logits_source"] == "backoff" else "")
         )
+
+
+# -- the block store (kvsnap store ...) ------------------------------------------------------------
+
+# Longest token-text preview in the store tree, in characters of its repr.
+PREVIEW_CHARS = 60
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
+def out() -> Console:
+    return Console(highlight=False)
+
+
+def say(text: str) -> None:
+    """A one-line report on stdout, never wrapped (scripts grep it); no markup, so names print as they are."""
+    out().print(text, markup=False, soft_wrap=True)
+
+
+def _key_value_table(rows: list[tuple[str, str]]) -> Table:
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in rows:
+        table.add_row(key, str(value))
+    return table
+
+
+def print_store_stats(info: dict[str, Any]) -> None:
+    budget = info["budget_bytes"]
+    used = f" ({info['bytes'] / budget:.0%} of the budget)" if budget else ""
+    rows = [
+        ("store", info["path"]),
+        ("blocks", f"{info['blocks']:,} ({info['leaves']:,} leaves) in {plural(info['roots'], 'chain')}"),
+        ("bytes", f"{human_bytes(info['bytes'])}{used}, {human_bytes(info['raw_bytes'])} raw"),
+        ("budget", human_bytes(budget) if budget is not None else "none"),
+        ("sessions", f"{info['sessions']:,} ({info['pinned_sessions']:,} pinned)"),
+        ("pinned", human_bytes(info["pinned_bytes"])),
+        (
+            "lookups",
+            f"{info['lookups']:,}: {info['hits']:,} of {info['lookup_blocks']:,} blocks hit "
+            f"({info['block_hit_rate']:.1%}), {info['hit_tokens']:,} of {info['prompt_tokens']:,} tokens reused",
+        ),
+        ("evictions", f"{info['evictions']:,}"),
+        ("damaged", f"{info['damaged']:,} blocks found damaged and dropped"),
+    ]
+    out().print(_key_value_table(rows))
+
+
+def print_store_sessions(rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        note("no sessions in the store")
+        return
+    table = Table(box=None, pad_edge=False)
+    for col in ("name", "tokens", "blocks", "pinned", "chat", "model"):
+        table.add_column(col, justify="right" if col in ("tokens", "blocks", "chat") else "left")
+    for r in rows:
+        blocks = f"{r['blocks']}" if r["present_blocks"] == r["blocks"] else f"{r['present_blocks']}/{r['blocks']}"
+        chat = str(r["chat_turns"]) if r["chat_turns"] is not None else "-"
+        table.add_row(r["name"], f"{r['tokens']:,}", blocks, "yes" if r["pinned"] else "", chat, r["model"] or "?")
+    out().print(table)
+
+
+def print_store_tree(path: Any, clock: int, roots: list[dict[str, Any]]) -> None:
+    if not roots:
+        note("the store holds no blocks")
+        return
+    console = out()
+    console.print(f"{path}: last use counts on the store's clock (now {clock:,})", style="dim", markup=False)
+    for root in roots:
+        console.print(_render_root(root))
+
+
+def _render_root(root: dict[str, Any]) -> Tree:
+    lay = root["layout"]
+    label = Text.assemble(
+        (root["model"], "bold"),
+        (f"  block size {root['block_size']}, {lay['dtype']}, root {root['root'][:12]}", "dim"),
+    )
+    top = Tree(label)
+    _render_nodes(top, root["children"])
+    return top
+
+
+def _render_nodes(parent: Tree, nodes: list[dict[str, Any]]) -> None:
+    for node in nodes:
+        label = Text()
+        if "text" in node:
+            label.append(_preview(node["text"]), style="green")
+            label.append("  ")
+        label.append(f"{plural(node['tokens'], 'token')}", style="bold")
+        details = [
+            plural(node["blocks"], "block") + (" (last partial)" if node["partial"] else ""),
+            human_bytes(node["bytes"]),
+            f"last use {node['last_use']:,}",
+        ]
+        label.append("  " + ", ".join(details), style="dim")
+        if node["pins"]:
+            label.append(f"  pinned x{node['pins']}", style="yellow")
+        if node["sessions"]:
+            label.append("  <- " + ", ".join(node["sessions"]), style="cyan")
+        branch = parent.add(label)
+        _render_nodes(branch, node["children"])
+        if node.get("hidden_nodes"):
+            branch.add(Text(f"... {plural(node['hidden_nodes'], 'more node')} below", style="dim"))
+
+
+def _preview(text: str) -> str:
+    shown = repr(text)
+    if len(shown) <= PREVIEW_CHARS:
+        return shown
+    half = (PREVIEW_CHARS - 3) // 2
+    return shown[:half] + "..." + shown[-half:]

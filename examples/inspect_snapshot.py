@@ -9,7 +9,7 @@ import argparse
 import json
 
 from kvsnap import describe
-from kvsnap.snapshot import Snapshot
+from kvsnap.format import Snapshot
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvsnap.config import DEFAULT_MODEL, SamplingParams, SessionConfig
 from kvsnap.errors import (
     ConfigError,
     ForeignSnapshotError,
@@ -34,17 +35,18 @@ __version__ = "0.1.0"
 _LAZY = {
     "load_model": "kvsnap.models",
     "resolve_model": "kvsnap.models",
-    "DEFAULT_MODEL": "kvsnap.models",
     "LoadedModel": "kvsnap.models",
-    "Session": "kvsnap.session",
-    "TurnResult": "kvsnap.session",
-    "SaveStats": "kvsnap.session",
-    "SamplingParams": "kvsnap.runner",
-    "Snapshot": "kvsnap.snapshot",
+    "Session": "kvsnap.engine.session",
+    "TurnResult": "kvsnap.engine.results",
+    "SaveStats": "kvsnap.engine.results",
+    "Snapshot": "kvsnap.format",
     "BlockStore": "kvsnap.store",
 }
 
 __all__ = [
+    "DEFAULT_MODEL",
+    "SamplingParams",
+    "SessionConfig",
     "ConfigError",
     "ForeignSnapshotError",
     "KvsnapError",

@@ -10,8 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvsnap import models, prefix
-from kvsnap.snapshot import Snapshot
+from kvsnap import prefix
+from kvsnap.config import DEFAULT_CHUNK_SIZE, DEFAULT_MODEL
+from kvsnap.format.reader import Snapshot
+from kvsnap.models.resolve import kvsnap_home
 
 
 class LightTokenizer:
@@ -27,7 +29,9 @@ class LightTokenizer:
             self._hf = None
         else:
             self._fast = None
-            self._hf = models.load_tokenizer(folder)
+            from kvsnap.models.load import load_tokenizer
+
+            self._hf = load_tokenizer(folder)
 
     def encode(self, text: str) -> list[int]:
         if self._fast is not None:
@@ -48,8 +52,8 @@ def find_tokenizer(model: str, folder_hint: str | None = None) -> LightTokenizer
     record, so models known by another name are found too.
     """
     candidates = []
-    if model == models.DEFAULT_MODEL:
-        candidates.append(models.kvsnap_home() / "models" / models.DEFAULT_MODEL)
+    if model == DEFAULT_MODEL:
+        candidates.append(kvsnap_home() / "models" / DEFAULT_MODEL)
     else:
         candidates.append(Path(model).expanduser())
     if folder_hint:
@@ -68,7 +72,7 @@ def describe(
     path: str | Path,
     *,
     prompt_ids: list[int] | None = None,
-    chunk_size: int = 512,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
     verify: bool = False,
     tokenizer: LightTokenizer | None = None,
     preview_tokens: int = 24,
@@ -86,12 +90,7 @@ def describe(
             "block_size": meta.block_size,
             "codec": meta.codec,
             "level": meta.level,
-            "layout": {
-                "layers": meta.layout.num_layers,
-                "kv_heads": meta.layout.num_kv_heads,
-                "head_dim": meta.layout.head_dim,
-                "dtype": meta.layout.dtype,
-            },
+            "layout": meta.layout.to_json(),
             "storage_dtype": meta.storage_layout.dtype,
             "kv_bytes": meta.kv_bytes,
             "stored_bytes": meta.stored_bytes,

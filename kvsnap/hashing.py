@@ -3,7 +3,8 @@
 ``block_hash[i] = H(block_hash[i-1] || token ids of block i as little-endian int32)`` and the
 chain root is ``H(model fingerprint || namespace salt || block size)``. H is BLAKE2b with a
 16-byte digest. The bytes hashed are pinned (fixed-width little-endian), so a hash is the same
-in every process and on every machine. No torch here.
+in every process and on every machine. ``checksum`` (xxh3-64) guards stored bytes against damage.
+No torch here.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import struct
 import sys
 from array import array
 from collections.abc import Sequence
+
+import xxhash
 
 HASH_SCHEME = "blake2b-128/int32le"
 DIGEST_SIZE = 16
@@ -61,3 +64,11 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, root: bytes) -> list
         parent = block_hash(parent, token_ids[start : start + block_size])
         hashes.append(parent)
     return hashes
+
+
+def checksum(data: bytes | bytearray | memoryview) -> str:
+    """Integrity checksum of stored bytes (not a security hash): xxh3-64, hex.
+
+    Catches damage on disk; the chained BLAKE2b hashes above are what identify content.
+    """
+    return xxhash.xxh3_64_hexdigest(data)

@@ -8,7 +8,7 @@ frozen, so reusing part of it is safe.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvsnap import hashing
@@ -94,6 +94,32 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+def matching_blocks(
+    prompt_ids: Sequence[int],
+    block_size: int,
+    root: bytes,
+    accept: Callable[[int, bytes, bytes, Sequence[int]], bool],
+) -> list[bytes]:
+    """Chained hashes of the prompt's leading full blocks, as long as ``accept(i, hash, parent, token_ids)``
+    holds: the one walk behind a snapshot's match and the store's.
+
+    ``accept`` must compare the stored token ids, not only the hash: a hash hit is trusted only once
+    the tokens compare equal, so a collision stops the match there.
+    """
+    if block_size < 1:
+        raise ValueError("block_size must be >= 1")
+    hashes: list[bytes] = []
+    parent = root
+    for i, start in enumerate(range(0, len(prompt_ids) - block_size + 1, block_size)):
+        block = prompt_ids[start : start + block_size]
+        h = hashing.block_hash(parent, block)
+        if not accept(i, h, parent, block):
+            break
+        hashes.append(h)
+        parent = h
+    return hashes
+
+
 def match_prefix(
     prompt_ids: Sequence[int],
     stored_ids: Sequence[int],
@@ -107,17 +133,18 @@ def match_prefix(
     caller has already checked that the stored chain has this same root (same model,
     namespace and block size), otherwise nothing may be reused.
     """
-    if block_size < 1:
-        raise ValueError("block_size must be >= 1")
-    prompt_hashes = hashing.chain_hashes(prompt_ids, block_size, root)
-    full = 0
-    for i, (ph, sh) in enumerate(zip(prompt_hashes, stored_hashes)):
-        start, end = i * block_size, (i + 1) * block_size
-        # A hash hit is trusted only once the tokens compare equal: a collision stops here.
-        if ph != sh or list(prompt_ids[start:end]) != list(stored_ids[start:end]):
-            break
-        full += 1
+
+    def accept(i: int, h: bytes, _parent: bytes, block: Sequence[int]) -> bool:
+        start = i * block_size
+        return (
+            i < len(stored_hashes)
+            and h == stored_hashes[i]
+            and list(block) == list(stored_ids[start : start + block_size])
+        )
+
+    full = len(matching_blocks(prompt_ids, block_size, root, accept))
     hit = full * block_size
+    # Then token by token into the first differing block, or the stored partial tail: a stored tail is frozen.
     limit = min(len(prompt_ids), len(stored_ids), hit + block_size)
     while hit < limit and prompt_ids[hit] == stored_ids[hit]:
         hit += 1

@@ -29,6 +29,22 @@ for _p in (_ROOT, _TESTS):  # kvsnap need not be installed; helpers import as to
 import tiny_models  # noqa: E402
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--bench", action="store_true", help="also run the benchmark smoke tests (marked bench; .ci/run does)"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The benchmark smoke tests take ~45 s: a plain `pytest` while developing skips them, CI runs them.
+    if config.getoption("--bench"):
+        return
+    skip = pytest.mark.skip(reason="benchmark smoke test: run with --bench (.ci/run does)")
+    for item in items:
+        if "bench" in item.keywords:
+            item.add_marker(skip)
+
+
 def real_model_home() -> Path:
     """KVSNAP_HOME for the real default model: $KVSNAP_TEST_HOME or ~/.cache/kvsnap-test (persistent)."""
     return Path(os.environ.get("KVSNAP_TEST_HOME") or Path.home() / ".cache" / "kvsnap-test")

@@ -16,7 +16,9 @@ from typing import Any
 import numpy as np
 
 from kvsnap import hashing
-from kvsnap.snapshot import EncodedBlock, KVLayout, Snapshot, checksum, encode_block, write_snapshot
+from kvsnap.format import Snapshot, SnapshotHeader, encode_block, write_snapshot
+from kvsnap.hashing import checksum
+from kvsnap.types import EncodedBlock, KVLayout
 
 MODEL = "test/tiny-model"
 FINGERPRINT = "fp-0123456789abcdef"
@@ -92,18 +94,20 @@ def write_test_snapshot(
         blocks.append(encode_block(raw, n, h, layout.itemsize, codec, level))
     size = write_snapshot(
         path,
-        model=MODEL,
-        fingerprint=fingerprint,
-        root=root,
-        layout=layout,
-        block_size=block_size,
-        codec=codec,
-        level=level,
-        tokens=tokens,
-        blocks=blocks,
+        SnapshotHeader(
+            model=MODEL,
+            fingerprint=fingerprint,
+            root=root,
+            layout=layout,
+            block_size=block_size,
+            codec=codec,
+            level=level,
+            extra=extra,
+        ),
+        tokens,
+        blocks,
         last_logits=last_logits,
         messages=messages,
-        extra=extra,
     )
     return Written(path, tokens, raws, layout, root, blocks, size)
 
@@ -111,7 +115,7 @@ def write_test_snapshot(
 def read_everything(path: Path) -> dict[str, Any]:
     """Open a snapshot and read all it holds: meta, tokens, every block decoded, last logits."""
     with Snapshot(path) as snap:
-        blocks = snap.read_blocks(range(len(snap.meta.blocks)))
+        blocks = snap.read_raw(range(len(snap.meta.blocks)))
         logits = snap.last_logits()
         return {
             "meta": snap.meta,

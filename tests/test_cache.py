@@ -8,9 +8,9 @@ import torch
 from tiny_models import UNSUPPORTED, build_tokenizer, tiny_config
 from transformers import LlamaConfig, T5Config
 
-from kvsnap import cache as kvcache
+from kvsnap.engine import cache as kvcache
 from kvsnap.errors import UnsupportedModelError
-from kvsnap.snapshot import KV_DTYPES
+from kvsnap.types import KV_DTYPES
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def blocks_of(cache, total: int, block_size: int) -> tuple[list[bytes], list[int
     raws, sizes = [], []
     for start in range(0, total, block_size):
         end = min(start + block_size, total)
-        raws.append(kvcache.block_raw(cache, start, end).tobytes())
+        raws.append(cache.block_raw(start, end).tobytes())
         sizes.append(end - start)
     return raws, sizes
 
@@ -62,7 +62,7 @@ def test_layout_of(config):
 def test_cache_from_buffer_views_the_buffer_without_copying(config):
     buf = random_buffer(config, 11)
     cache = kvcache.cache_from_buffer(config, buf)
-    assert kvcache.cache_length(cache) == 11
+    assert cache.length == 11
     assert_cache_equals(cache, buf)
     for i, layer in enumerate(cache.layers):
         assert layer.keys.data_ptr() == buf[i, 0].data_ptr()
@@ -80,13 +80,13 @@ def test_block_raw_restore_cache_round_trip_is_bit_exact(config, dtype, block_si
     for raw, n in zip(raws, sizes):
         assert len(raw) == n * layout.bytes_per_token
     # block_raw is the [layers, 2, kv_heads, tokens, head_dim] slice, byte for byte.
-    first = kvcache.block_raw(cache, 0, sizes[0])
+    first = cache.block_raw(0, sizes[0])
     assert first.dtype == np.uint8 and first.flags["C_CONTIGUOUS"]
     expect = buf[:, :, :, : sizes[0]].contiguous().view(torch.uint8).reshape(-1).numpy()
     assert np.array_equal(first, expect)
 
     restored = kvcache.restore_cache(config, layout, raws, sizes, total, torch.device("cpu"))
-    assert kvcache.cache_length(restored) == total
+    assert restored.length == total
     assert_cache_equals(restored, buf)
     for layer in restored.layers:
         assert layer.keys.dtype == dtype
@@ -95,14 +95,14 @@ def test_block_raw_restore_cache_round_trip_is_bit_exact(config, dtype, block_si
     cut = total - 2 if block_size > 2 else total - 1
     needed = -(-cut // block_size)
     part = kvcache.restore_cache(config, layout, raws[:needed], sizes[:needed], cut, torch.device("cpu"))
-    assert kvcache.cache_length(part) == cut
+    assert part.length == cut
     assert_cache_equals(part, buf[:, :, :, :cut])
 
 
 def test_restore_cache_of_zero_tokens(config):
     layout = kvcache.layout_of(config, torch.float32)
     empty = kvcache.restore_cache(config, layout, [], [], 0, torch.device("cpu"))
-    assert kvcache.cache_length(empty) == 0
+    assert empty.length == 0
 
 
 def test_restore_cache_rejects_blocks_that_do_not_cover_the_tokens(config):
@@ -119,20 +119,20 @@ def test_crop_cuts_every_layer_even_uneven_ones(config):
     # A forward interrupted half way: layer 0 grew to 10 tokens, layer 1 only to 7.
     cache.layers[1].keys = cache.layers[1].keys[..., :7, :]
     cache.layers[1].values = cache.layers[1].values[..., :7, :]
-    kvcache.crop(cache, 8)
+    cache.crop(8)
     assert [layer.keys.shape[-2] for layer in cache.layers] == [8, 7]
     assert [layer.values.shape[-2] for layer in cache.layers] == [8, 7]
-    kvcache.crop(cache, 5)
+    cache.crop(5)
     assert [layer.keys.shape[-2] for layer in cache.layers] == [5, 5]
     assert_cache_equals(cache, buf[:, :, :, :5])
-    kvcache.crop(cache, 50)  # longer than the cache: nothing changes
-    assert kvcache.cache_length(cache) == 5
+    cache.crop(50)  # longer than the cache: nothing changes
+    assert cache.length == 5
 
 
 def test_crop_of_a_fresh_cache_is_a_no_op(config):
-    cache = kvcache.new_cache(config)
-    kvcache.crop(cache, 0)
-    assert kvcache.cache_length(cache) == 0
+    cache = kvcache.KVCache(config)
+    cache.crop(0)
+    assert cache.length == 0
 
 
 def test_model_cache_round_trips_and_continues_identically(llama):
@@ -147,9 +147,9 @@ def test_model_cache_round_trips_and_continues_identically(llama):
             out = lm.model(input_ids=ids, position_ids=pos, use_cache=True, **{lm.cache_kwarg: cache})
         return out.logits[0, -1]
 
-    live = kvcache.new_cache(lm.config)
+    live = kvcache.KVCache(lm.config)
     run(ids, live, 0)
-    assert kvcache.cache_length(live) == 30
+    assert live.length == 30
     raws, sizes = blocks_of(live, 30, 8)
     restored = kvcache.restore_cache(lm.config, lm.layout, raws, sizes, 30, lm.device)
     for a, b in zip(live.layers, restored.layers):
@@ -157,7 +157,7 @@ def test_model_cache_round_trips_and_continues_identically(llama):
     expect = run(nxt, live, 30)
     got = run(nxt, restored, 30)
     assert torch.equal(got, expect)
-    assert kvcache.cache_length(restored) == 33
+    assert restored.length == 33
 
 
 def test_forward_cache_kwarg():

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvsnap import codec
-from kvsnap.codec import CODECS, CodecError
+from kvsnap.format import codec
+from kvsnap.format.codec import CODECS, CodecError
 
 
 def _kv_float32(n: int = 4096, seed: int = 0) -> bytes:

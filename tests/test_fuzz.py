@@ -40,7 +40,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvsnap.errors import SnapshotError
-from kvsnap.snapshot import KV_DTYPES, Snapshot, checksum
+from kvsnap.format import Snapshot
+from kvsnap.hashing import checksum
+from kvsnap.types import KV_DTYPES
 
 # Examples per strategy; the total must reach MIN_CASES (checked by the last test).
 BUDGET = {
@@ -109,9 +111,9 @@ def read_all(path: Path) -> Read:
     with Snapshot(path) as snap:
         tokens = list(snap.tokens)
         count = len(snap.meta.blocks)
-        raws = [bytes(r) for r in snap.read_blocks(range(count))]
+        raws = [bytes(r) for r in snap.read_raw(range(count))]
         sunk: dict[int, bytes] = {}
-        snap.read_blocks(range(count), workers=1, sink=lambda i, raw: sunk.__setitem__(i, raw.tobytes()))
+        snap.read_into(range(count), lambda i, raw: sunk.__setitem__(i, raw.tobytes()), workers=1)
         logits = snap.last_logits()
         problems = snap.verify()
         return Read(
@@ -266,7 +268,7 @@ def check(strategy: str, data: bytes, orig: Original, *, resigned: bool = False,
 
 
 def _classify(label: str, got: Read, ref: Read, resigned: bool) -> str:
-    if got.problems:  # read_blocks passed, so verify() should not find any; still a refusal
+    if got.problems:  # read_raw passed, so verify() should not find any; still a refusal
         for problem in got.problems:
             _one_line(label, problem)
         return "refused"

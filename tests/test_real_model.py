@@ -19,8 +19,8 @@ import torch
 from conftest import real_model_home
 
 from kvsnap import models
-from kvsnap.runner import SamplingParams
-from kvsnap.session import Session
+from kvsnap.config import SamplingParams
+from kvsnap.engine.session import Session
 
 pytestmark = pytest.mark.slow
 

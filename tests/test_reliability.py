@@ -23,10 +23,10 @@ from core_helpers import read_everything, write_test_snapshot
 from typer.testing import CliRunner
 
 from cli.main import app
+from kvsnap.config import SamplingParams
+from kvsnap.engine.session import Session
 from kvsnap.errors import SnapshotError
-from kvsnap.runner import SamplingParams
-from kvsnap.session import Session
-from kvsnap.snapshot import Snapshot
+from kvsnap.format import Snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,13 +14,12 @@ import pytest
 import torch
 from tiny_models import ARCHS, flip_byte, perturbed_copy, tensor_span
 
-from kvsnap import cache as kvcache
-from kvsnap import codec as codecs
+from kvsnap.engine.sampling import SamplingParams, TextStream, sample
+from kvsnap.engine.session import Session
 from kvsnap.errors import ConfigError, ForeignSnapshotError, SnapshotError
+from kvsnap.format import Snapshot
+from kvsnap.format import codec as codecs
 from kvsnap.models import load_model
-from kvsnap.runner import SamplingParams, TextStream, sample
-from kvsnap.session import Session
-from kvsnap.snapshot import Snapshot
 
 BS = 8  # small block size: prompts of a few dozen tokens span several blocks
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8)
@@ -76,7 +75,7 @@ def cache_tensors(session: Session) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def assert_invariants(session: Session) -> None:
-    assert kvcache.cache_length(session.cache) == len(session.tokens)
+    assert session.cache.length == len(session.tokens)
     for layer in session.cache.layers:
         assert layer.keys.shape[-2] == layer.values.shape[-2] == len(session.tokens)
 
@@ -311,7 +310,7 @@ def assert_restores_bit_exact(lm, path, live: Session) -> None:
     for restored, original in zip(s.cache.layers, live.cache.layers):
         assert torch.equal(restored.keys, original.keys[..., :n, :])
         assert torch.equal(restored.values, original.values[..., :n, :])
-    assert (kvcache.block_raw(s.cache, 0, n) == kvcache.block_raw(live.cache, 0, n)).all()
+    assert (s.cache.block_raw(0, n) == live.cache.block_raw(0, n)).all()
 
 
 @pytest.mark.parametrize("codec", codecs.CODECS)

@@ -24,11 +24,11 @@ from core_helpers import (
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from kvsnap import codec as codecs
 from kvsnap import hashing
-from kvsnap import snapshot as snapshot_mod
 from kvsnap.errors import ForeignSnapshotError, KvsnapError, SnapshotError, SnapshotVersionError
-from kvsnap.snapshot import FORMAT_VERSION, EncodedBlock, Snapshot, block_name, write_snapshot
+from kvsnap.format import FORMAT_VERSION, Snapshot, SnapshotHeader, block_name, write_snapshot
+from kvsnap.format import codec as codecs
+from kvsnap.types import EncodedBlock
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -88,7 +88,7 @@ def test_partial_tail_block(tmp_path):
         assert (tail.num_tokens, tail.hash) == (2, None)
         assert all(b.hash is not None for b in snap.meta.blocks[:-1])
         assert tail.raw_bytes == 2 * w.layout.bytes_per_token
-        assert bytes(snap.read_blocks([2])[0]) == w.raws[2]
+        assert bytes(snap.read_raw([2])[0]) == w.raws[2]
 
 
 def test_last_logits_round_trip(tmp_path):
@@ -150,34 +150,37 @@ def test_block_names_sort_in_block_order():
     assert sorted(block_name(i) for i in (10, 9, 100)) == [block_name(9), block_name(10), block_name(100)]
 
 
-def test_read_blocks_in_any_order_and_with_one_or_many_workers(tmp_path):
+def test_read_raw_in_any_order_and_with_one_or_many_workers(tmp_path):
     w = write_test_snapshot(tmp_path / "s.kv", num_tokens=40)
     with Snapshot(w.path) as snap:
         order = [7, 2, 9, 0]
         for workers in (1, 4):
-            assert [bytes(b) for b in snap.read_blocks(order, workers=workers)] == [w.raws[i] for i in order]
-        assert snap.read_blocks([]) == []
+            assert [bytes(b) for b in snap.read_raw(order, workers=workers)] == [w.raws[i] for i in order]
+        assert snap.read_raw([]) == []
 
 
 def test_stored_blocks_are_reused_as_is(tmp_path):
-    """Blocks read back with keep_stored are written again without re-encoding, byte for byte."""
+    """Blocks read back with read_into are written again without re-encoding, byte for byte."""
     w = write_test_snapshot(tmp_path / "a.kv", num_tokens=10, last_logits=_logits())
+    raws = [b""] * 3
     with Snapshot(w.path) as snap:
-        raws, stored = snap.read_blocks([0, 1, 2], keep_stored=True)
+        stored = snap.read_into([0, 1, 2], lambda i, raw: raws.__setitem__(i, raw.tobytes()))
         blocks = [snap.encoded_block(i, s) for i, s in enumerate(stored)]
         meta = snap.meta
     assert blocks == w.blocks
     write_snapshot(
         tmp_path / "b.kv",
-        model=meta.model,
-        fingerprint=meta.fingerprint,
-        root=meta.root,
-        layout=meta.layout,
-        block_size=meta.block_size,
-        codec=meta.codec,
-        level=meta.level,
-        tokens=w.tokens,
-        blocks=blocks,
+        SnapshotHeader(
+            model=meta.model,
+            fingerprint=meta.fingerprint,
+            root=meta.root,
+            layout=meta.layout,
+            block_size=meta.block_size,
+            codec=meta.codec,
+            level=meta.level,
+        ),
+        w.tokens,
+        blocks,
         last_logits=_logits(),
     )
     assert read_everything(tmp_path / "b.kv")["blocks"] == w.raws == [bytes(r) for r in raws]
@@ -188,15 +191,17 @@ def test_blocks_must_cover_the_tokens(tmp_path):
     with pytest.raises(ValueError):
         write_snapshot(
             tmp_path / "t.kv",
-            model=MODEL,
-            fingerprint=FINGERPRINT,
-            root=w.root,
-            layout=w.layout,
-            block_size=4,
-            codec="shuffle-zstd",
-            level=1,
-            tokens=w.tokens + [1],
-            blocks=w.blocks,
+            SnapshotHeader(
+                model=MODEL,
+                fingerprint=FINGERPRINT,
+                root=w.root,
+                layout=w.layout,
+                block_size=4,
+                codec="shuffle-zstd",
+                level=1,
+            ),
+            w.tokens + [1],
+            w.blocks,
         )
     assert not (tmp_path / "t.kv").exists()
 
@@ -213,7 +218,7 @@ def test_closed_snapshot_raises_snapshot_error(tmp_path):
     snap = Snapshot(w.path)
     snap.close()
     with pytest.raises(SnapshotError, match="snapshot is closed"):
-        snap.read_blocks([0])
+        snap.read_raw([0])
     with pytest.raises(SnapshotError, match="snapshot is closed"):
         snap.last_logits()
 
@@ -237,10 +242,10 @@ def test_damage_in_one_block_does_not_stop_reading_the_others(tmp_path):
 
     with Snapshot(w.path) as snap:
         assert snap.tokens == w.tokens
-        assert [bytes(b) for b in snap.read_blocks([0, 1])] == w.raws[:2]
-        assert [bytes(b) for b in snap.read_blocks(range(51, 100))] == w.raws[51:]
+        assert [bytes(b) for b in snap.read_raw([0, 1])] == w.raws[:2]
+        assert [bytes(b) for b in snap.read_raw(range(51, 100))] == w.raws[51:]
         with pytest.raises(SnapshotError, match=r"block 50\b") as excinfo:
-            snap.read_blocks(range(100))
+            snap.read_raw(range(100))
         assert_one_line(excinfo.value)
         problems = snap.verify()
     assert len(problems) == 1 and "block 50" in problems[0]
@@ -248,7 +253,7 @@ def test_damage_in_one_block_does_not_stop_reading_the_others(tmp_path):
 
 def test_a_failed_read_leaves_no_worker_writing_after_it_returns(tmp_path):
     """A restore that fails is followed by a recompute: no decode thread may still be writing
-    into the failed restore's buffers once ``read_blocks`` has raised."""
+    into the failed restore's buffers once ``read_into`` has raised."""
     import threading
     import time
 
@@ -267,14 +272,14 @@ def test_a_failed_read_leaves_no_worker_writing_after_it_returns(tmp_path):
 
     with Snapshot(w.path) as snap:
         with pytest.raises(SnapshotError, match=r"block 3\b"):
-            snap.read_blocks(range(100), workers=4, sink=slow_sink)
+            snap.read_into(range(100), slow_sink, workers=4)
         after_raise = len(done)
         time.sleep(0.1)
         assert len(done) == after_raise  # nothing landed after the error was raised
         assert after_raise < 99  # and the blocks not yet started were cancelled
 
 
-def test_read_blocks_touches_only_the_blocks_asked_for(tmp_path, monkeypatch):
+def test_read_raw_touches_only_the_blocks_asked_for(tmp_path, monkeypatch):
     w = _hundred_blocks(tmp_path)
     read_indices: list[int] = []
     decoded_sizes: list[int] = []
@@ -302,7 +307,7 @@ def test_read_blocks_touches_only_the_blocks_asked_for(tmp_path, monkeypatch):
     with Snapshot(w.path) as snap:
         assert read_indices == [] and decoded_sizes == []  # opening reads no block
         monkeypatch.setattr(Snapshot, "_view", spying_view)
-        assert [bytes(b) for b in snap.read_blocks([0, 1])] == w.raws[:2]
+        assert [bytes(b) for b in snap.read_raw([0, 1])] == w.raws[:2]
 
     assert sorted(read_indices) == [0, 1]
     assert len(decoded_sizes) == 2
@@ -547,19 +552,15 @@ def test_block_stored_far_larger_than_raw_is_refused_on_open(tmp_path):
     tokens = [1, 2, 3, 4]
     raw_bytes = 4 * layout.bytes_per_token
     stored = bytes(raw_bytes + 5000)
-    block = EncodedBlock(4, hashing.chain_hashes(tokens, 4, root)[0], raw_bytes, stored, snapshot_mod.checksum(stored))
+    block = EncodedBlock(4, hashing.chain_hashes(tokens, 4, root)[0], raw_bytes, stored, hashing.checksum(stored))
     path = tmp_path / "s.kv"
     write_snapshot(
         path,
-        model=MODEL,
-        fingerprint=FINGERPRINT,
-        root=root,
-        layout=layout,
-        block_size=4,
-        codec="raw",
-        level=0,
-        tokens=tokens,
-        blocks=[block],
+        SnapshotHeader(
+            model=MODEL, fingerprint=FINGERPRINT, root=root, layout=layout, block_size=4, codec="raw", level=0
+        ),
+        tokens,
+        [block],
     )
     with pytest.raises(SnapshotError, match="stored_bytes") as excinfo:
         Snapshot(path)
@@ -590,9 +591,9 @@ def test_block_checksum_mismatch_is_found_on_read(tmp_path):
     w = write_test_snapshot(tmp_path / "s.kv", num_tokens=10)
     rewrite_meta(w.path, _set_block(1, "checksum", "0" * 16))
     with Snapshot(w.path) as snap:
-        assert bytes(snap.read_blocks([0])[0]) == w.raws[0]
+        assert bytes(snap.read_raw([0])[0]) == w.raws[0]
         with pytest.raises(SnapshotError, match="block 1"):
-            snap.read_blocks([1])
+            snap.read_raw([1])
 
 
 def test_block_that_does_not_decode_is_reported_by_index(tmp_path):
@@ -602,10 +603,10 @@ def test_block_that_does_not_decode_is_reported_by_index(tmp_path):
     data = bytearray(w.path.read_bytes())
     data[start] ^= 0xFF  # the byte-plane header's element size
     w.path.write_bytes(bytes(data))
-    rewrite_meta(w.path, _set_block(1, "checksum", snapshot_mod.checksum(bytes(data[start:end]))))
+    rewrite_meta(w.path, _set_block(1, "checksum", hashing.checksum(bytes(data[start:end]))))
     with Snapshot(w.path) as snap:
         with pytest.raises(SnapshotError, match="block 1 does not decode") as excinfo:
-            snap.read_blocks([1])
+            snap.read_raw([1])
         assert_one_line(excinfo.value)
 
 

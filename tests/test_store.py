@@ -25,12 +25,14 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from cli.options import parse_size
 from kvsnap import hashing
-from kvsnap import snapshot as snapshot_mod
-from kvsnap.blockindex import BlockIndex, block_keys
 from kvsnap.errors import ConfigError, KvsnapError, SnapshotError
-from kvsnap.snapshot import EncodedBlock, checksum, encode_block
-from kvsnap.store import BlockStore, ChainInfo, StoreError, parse_size
+from kvsnap.format import encode_block
+from kvsnap.format import meta as snapshot_meta
+from kvsnap.hashing import checksum
+from kvsnap.store import BlockIndex, BlockStore, ChainInfo, StoreError, block_keys
+from kvsnap.types import EncodedBlock
 
 ROOT_DIR = Path(__file__).resolve().parents[1]
 
@@ -438,7 +440,7 @@ def test_a_failed_write_is_a_store_error_and_changes_nothing(tmp_path, monkeypat
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("kvsnap.store.os.fsync", full)
+    monkeypatch.setattr("kvsnap.format.atomic.os.fsync", full)
     with pytest.raises(StoreError, match="No space left"):
         put(store, chain, list(range(16)), "t")
     monkeypatch.undo()
@@ -532,7 +534,7 @@ def test_two_processes_share_one_store(tmp_path, budget):
 @pytest.fixture
 def fixed_clock(monkeypatch):
     """Snapshots record when they were written; a fixed clock makes two writes comparable byte for byte."""
-    monkeypatch.setattr(snapshot_mod, "time", types.SimpleNamespace(time=lambda: 1700000000.0))
+    monkeypatch.setattr(snapshot_meta, "time", types.SimpleNamespace(time=lambda: 1700000000.0))
 
 
 def test_export_import_export_is_bit_identical(tmp_path, fixed_clock):

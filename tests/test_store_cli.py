@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from kvsnap import hashing
-from kvsnap.snapshot import encode_block, write_snapshot
+from kvsnap.format import SnapshotHeader, encode_block, write_snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -91,9 +91,13 @@ def write_kv(path: Path, tokens: list[int], model: str) -> list[bytes]:
         h = hashes[i] if i < len(hashes) else None
         blocks.append(encode_block(raws[-1], len(part), h, LAYOUT.itemsize, "shuffle-zstd", 1))
     write_snapshot(
-        path, model=model, fingerprint=FINGERPRINT, root=root, layout=LAYOUT, block_size=BS,
-        codec="shuffle-zstd", level=1, tokens=tokens, blocks=blocks,
-    )  # fmt: skip
+        path,
+        SnapshotHeader(
+            model=model, fingerprint=FINGERPRINT, root=root, layout=LAYOUT, block_size=BS, codec="shuffle-zstd", level=1
+        ),
+        tokens,
+        blocks,
+    )
     return raws
 
 

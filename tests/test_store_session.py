@@ -8,8 +8,8 @@ import torch
 from typer.testing import CliRunner
 
 from cli.main import app
-from kvsnap.runner import SamplingParams
-from kvsnap.session import Session
+from kvsnap.config import SamplingParams
+from kvsnap.engine.session import Session
 from kvsnap.store import BlockStore
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0)

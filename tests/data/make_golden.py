@@ -50,7 +50,8 @@ if str(_ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(_ROOT))
 
 from kvsnap import hashing  # noqa: E402
-from kvsnap.snapshot import KVLayout, encode_block, write_snapshot  # noqa: E402
+from kvsnap.format import SnapshotHeader, encode_block, write_snapshot  # noqa: E402
+from kvsnap.types import KVLayout  # noqa: E402
 
 JSON_NAME = "golden-v1.json"
 CREATED_AT = 1_700_000_000.25  # 2023-11-14T22:13:20.25Z, exactly representable
@@ -149,18 +150,20 @@ def build(name: str) -> bytes:
         path = Path(tmp) / name
         write_snapshot(
             path,
-            model=MODEL,
-            fingerprint=FINGERPRINT,
-            root=root,
-            layout=layout,
-            block_size=v.block_size,
-            codec=v.codec,
-            level=v.level,
-            tokens=tokens,
-            blocks=blocks,
+            SnapshotHeader(
+                model=MODEL,
+                fingerprint=FINGERPRINT,
+                root=root,
+                layout=layout,
+                block_size=v.block_size,
+                codec=v.codec,
+                level=v.level,
+                extra={"golden": True, "generator": "tests/data/make_golden.py"} if v.messages else None,
+            ),
+            tokens,
+            blocks,
             last_logits=_logits(v),
             messages=MESSAGES if v.messages else None,
-            extra={"golden": True, "generator": "tests/data/make_golden.py"} if v.messages else None,
         )
         return path.read_bytes()
 

@@ -8,75 +8,108 @@ header ends in one ``SnapshotError`` line and bounds everything read later. No t
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import xxhash
-
-from kvsnap import codec as codecs
 from kvsnap import hashing
 from kvsnap.errors import SnapshotError, SnapshotVersionError
+from kvsnap.format import codec as codecs
+from kvsnap.hashing import checksum
+from kvsnap.types import KV_DTYPES, EncodedBlock, KVLayout, chat_messages
 
 FORMAT_VERSION = 1
 READABLE_VERSIONS = (1,)
-KV_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_MAX_TOKENS = 1 << 26
-_MAX_LAYOUT_DIM = 1 << 16
+# The bounds a reader enforces; a writer checks the same ones first (what kvsnap writes, it reads).
+MAX_TOKENS = 1 << 26
+MAX_LAYOUT_DIM = 1 << 16
 # Absolute bounds on what one block may claim, whatever the codec's ratio allows: a few hostile
 # bytes must not make a reader zero-fill gigabytes.
-_MAX_BLOCK_SIZE = 1 << 16
-_MAX_BLOCK_BYTES = 1 << 30
-
-
-def checksum(data: bytes | memoryview | np.ndarray) -> str:
-    """Integrity checksum (not a security hash): xxh3-64, hex."""
-    return xxhash.xxh3_64_hexdigest(data)
+MAX_BLOCK_SIZE = 1 << 16
+MAX_BLOCK_BYTES = 1 << 30
 
 
 @dataclass(frozen=True, slots=True)
-class KVLayout:
-    """Shape of one token's KV across the model: ``[layers, 2, kv_heads, head_dim]`` of ``dtype``."""
+class SnapshotHeader:
+    """Who a snapshot's KV belongs to and how its blocks are stored: everything but the content.
 
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str  # "float32" | "bfloat16" | "float16"
+    One object instead of a dozen keyword arguments wherever a snapshot is written (a session's
+    save, a store export, golden files, tests).
+    """
 
-    @property
-    def itemsize(self) -> int:
-        return KV_DTYPES[self.dtype]
+    model: str
+    fingerprint: str
+    root: bytes  # chain root: fingerprint + namespace + block size
+    layout: KVLayout  # the cache's layout
+    block_size: int
+    codec: str = codecs.DEFAULT_CODEC
+    level: int = codecs.DEFAULT_LEVEL
+    fingerprint_parts: dict[str, str] = field(default_factory=dict)  # lets a refusal say which part differs
+    storage_dtype: str | None = None  # opt-in narrower block bytes (lossy); None: the layout's dtype
+    extra: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def bytes_per_token(self) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.itemsize
+    def check(self) -> None:
+        """Refuse, before anything is written, a header the reader would refuse."""
+        for name, value in (
+            ("layers", self.layout.num_layers),
+            ("kv_heads", self.layout.num_kv_heads),
+            ("head_dim", self.layout.head_dim),
+        ):
+            if not 1 <= value <= MAX_LAYOUT_DIM:
+                raise ValueError(f"{name} {value} outside [1, {MAX_LAYOUT_DIM}]")
+        if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block size {self.block_size} outside [1, {MAX_BLOCK_SIZE}]")
+        if self.codec not in codecs.ALL_CODECS:
+            raise ValueError(f"unknown codec {self.codec!r}")
+        if self.storage_dtype is not None and self.storage_dtype not in KV_DTYPES:
+            raise ValueError(f"unknown storage dtype {self.storage_dtype!r}")
 
 
-@dataclass(frozen=True, slots=True)
-class EncodedBlock:
-    """One block as stored: kept by sessions so the next save does not encode it again."""
-
-    num_tokens: int
-    hash: bytes | None  # chained hash; None for a partial tail block
-    raw_bytes: int
-    stored: bytes | memoryview  # a view of the file it was read from, or fresh bytes
-    checksum: str
-    origin: Any = field(default=None, compare=False, repr=False)  # (mmap, size) when ``stored`` views a mapped file
-
-    def still_valid(self) -> bool:
-        """Whether ``stored`` can still be read and is what it was.
-
-        A view of a file that someone truncated in place would fault (SIGBUS) when touched, so
-        the mapped file's size is checked first; then the checksum catches same-size edits.
-        """
-        if self.origin is not None:
-            mm, size = self.origin
-            try:
-                if mm.closed or mm.size() < size:
-                    return False
-            except (OSError, ValueError):
-                return False
-        return checksum(self.stored) == self.checksum
+def build_meta(
+    header: SnapshotHeader,
+    *,
+    tokens_checksum: str,
+    num_tokens: int,
+    blocks: Sequence[EncodedBlock],
+    logits_checksum: str | None,
+    messages: Sequence[dict[str, str]] | None,
+) -> str:
+    """The ``__metadata__["kvsnap"]`` JSON of a snapshot (ASCII, so chat text with lone surrogates
+    from odd terminals still makes a valid file)."""
+    header.check()
+    meta: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "hash_scheme": hashing.HASH_SCHEME,
+        "model": header.model,
+        "fingerprint": header.fingerprint,
+        "root": header.root.hex(),
+        "layout": {**header.layout.to_json(), "order": "layers,kv,kv_heads,tokens,head_dim"},
+        "block_size": header.block_size,
+        "codec": header.codec,
+        "level": header.level,
+        "num_tokens": num_tokens,
+        "tokens_checksum": tokens_checksum,
+        "blocks": [
+            {
+                "tokens": b.num_tokens,
+                "hash": b.hash.hex() if b.hash is not None else None,
+                "raw_bytes": b.raw_bytes,
+                "stored_bytes": len(b.stored),
+                "checksum": b.checksum,
+            }
+            for b in blocks
+        ],
+        "logits_checksum": logits_checksum,
+        "messages": list(messages) if messages is not None else None,
+        "created_at": time.time(),
+        "extra": header.extra or {},
+    }
+    if header.storage_dtype is not None and header.storage_dtype != header.layout.dtype:
+        meta["storage_dtype"] = header.storage_dtype
+    if header.fingerprint_parts:
+        meta["fingerprint_parts"] = dict(header.fingerprint_parts)
+    return json.dumps(meta, separators=(",", ":"), ensure_ascii=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +147,22 @@ class SnapshotMeta:
         """The layout the block bytes are in (the cache's, unless stored narrower)."""
         if not self.storage_dtype or self.storage_dtype == self.layout.dtype:
             return self.layout
-        return KVLayout(self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim, self.storage_dtype)
+        return self.layout.with_dtype(self.storage_dtype)
+
+    @property
+    def header(self) -> SnapshotHeader:
+        return SnapshotHeader(
+            model=self.model,
+            fingerprint=self.fingerprint,
+            root=self.root,
+            layout=self.layout,
+            block_size=self.block_size,
+            codec=self.codec,
+            level=self.level,
+            fingerprint_parts=dict(self.fingerprint_parts),
+            storage_dtype=self.storage_dtype or None,
+            extra=dict(self.extra),
+        )
 
     @property
     def kv_bytes(self) -> int:
@@ -134,7 +182,7 @@ def _one_line(exc: BaseException) -> str:
     return (text[0] if text else type(exc).__name__)[:200]
 
 
-def _parse_meta(header_meta: dict[str, str] | None) -> SnapshotMeta:
+def parse_meta(header_meta: dict[str, str] | None) -> SnapshotMeta:
     if not header_meta or "kvsnap" not in header_meta:
         raise SnapshotError("not a kvsnap snapshot (safetensors file without kvsnap metadata)")
     text = header_meta["kvsnap"]
@@ -162,17 +210,6 @@ def _parse_meta(header_meta: dict[str, str] | None) -> SnapshotMeta:
         raise SnapshotError(f"metadata is malformed ({type(exc).__name__}: {_one_line(exc)})") from None
 
 
-def chat_messages(value: Any) -> tuple[dict[str, str], ...] | None | bool:
-    """``value`` as a tuple of ``{"role", "content"}`` string dicts; None if absent, False if malformed."""
-    if value is None:
-        return None
-    if not isinstance(value, list) or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
-    ):
-        return False
-    return tuple({"role": m["role"], "content": m["content"]} for m in value)
-
-
 def _int(value: Any, name: str, lo: int, hi: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
         raise SnapshotError(f"metadata field {name} is {value!r}, expected an integer in [{lo}, {hi}]")
@@ -193,20 +230,20 @@ def _meta_from_dict(raw: dict[str, Any]) -> SnapshotMeta:
     if dtype not in KV_DTYPES:
         raise SnapshotError(f"unknown KV dtype {dtype!r}")
     layout = KVLayout(
-        _int(lay["layers"], "layers", 1, _MAX_LAYOUT_DIM),
-        _int(lay["kv_heads"], "kv_heads", 1, _MAX_LAYOUT_DIM),
-        _int(lay["head_dim"], "head_dim", 1, _MAX_LAYOUT_DIM),
+        _int(lay["layers"], "layers", 1, MAX_LAYOUT_DIM),
+        _int(lay["kv_heads"], "kv_heads", 1, MAX_LAYOUT_DIM),
+        _int(lay["head_dim"], "head_dim", 1, MAX_LAYOUT_DIM),
         dtype,
     )
-    block_size = _int(raw["block_size"], "block_size", 1, _MAX_BLOCK_SIZE)
+    block_size = _int(raw["block_size"], "block_size", 1, MAX_BLOCK_SIZE)
     storage_dtype = raw.get("storage_dtype", dtype)
     if storage_dtype not in KV_DTYPES:
         raise SnapshotError(f"unknown storage dtype {storage_dtype!r}")
-    stored_layout = KVLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, storage_dtype)
+    stored_layout = layout.with_dtype(storage_dtype)
     codec = raw["codec"]
     if codec not in codecs.ALL_CODECS:
         raise SnapshotError(f"unknown codec {codec!r} (this kvsnap knows {', '.join(codecs.ALL_CODECS)})")
-    num_tokens = _int(raw["num_tokens"], "num_tokens", 0, _MAX_TOKENS)
+    num_tokens = _int(raw["num_tokens"], "num_tokens", 0, MAX_TOKENS)
     blocks_raw = raw["blocks"]
     if not isinstance(blocks_raw, list) or len(blocks_raw) != -(-num_tokens // block_size):
         raise SnapshotError("block list does not match the token count")
@@ -216,7 +253,7 @@ def _meta_from_dict(raw: dict[str, Any]) -> SnapshotMeta:
         n = _int(b["tokens"], f"blocks[{i}].tokens", 1, block_size)
         if n != (block_size if full else num_tokens - i * block_size):
             raise SnapshotError(f"block {i} declares {n} tokens, inconsistent with the block size")
-        raw_bytes = _int(b["raw_bytes"], f"blocks[{i}].raw_bytes", 0, _MAX_BLOCK_BYTES)
+        raw_bytes = _int(b["raw_bytes"], f"blocks[{i}].raw_bytes", 0, MAX_BLOCK_BYTES)
         if raw_bytes != n * stored_layout.bytes_per_token:
             raise SnapshotError(
                 f"block {i} declares {raw_bytes} raw bytes, expected {n * stored_layout.bytes_per_token}"

@@ -1,4 +1,4 @@
-"""Running the model: chunked prefill with explicit positions, one decode step, sampling.
+"""Running the model: chunked prefill with explicit positions, one decode step, the decode loop.
 
 The runner knows nothing about snapshots or hashes: it is handed a cache and token ids, and
 it counts every token its forward sees (``tokens_seen``), so "the prefix was skipped" is
@@ -7,61 +7,16 @@ measured, not inferred from a plan.
 
 from __future__ import annotations
 
-import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kvsnap import cache as kvcache
-from kvsnap.errors import ConfigError
-from kvsnap.models import LoadedModel
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """How to pick tokens. ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` are off."""
-
-    max_new_tokens: int = 256
-    temperature: float = 0.7
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 0:
-            raise ConfigError("max_new_tokens must be >= 0")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ConfigError("temperature must be a finite number >= 0")
-        if self.top_k < 0:
-            raise ConfigError("top_k must be >= 0")
-        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
-            raise ConfigError("top_p must be in (0, 1]")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ConfigError("seed must be in [0, 2**63)")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token id from last-position logits ``[vocab]``."""
-    if params.greedy:
-        return int(torch.argmax(logits))
-    scores = logits.float() / params.temperature
-    if params.top_k and params.top_k < scores.numel():
-        kth = torch.topk(scores, params.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=True)
-        cum = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
-        # Drop tokens once the mass before them already reaches top_p (the first always stays).
-        drop = cum - torch.softmax(sorted_scores, dim=-1) >= params.top_p
-        scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
-    probs = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+from kvsnap.config import SamplingParams
+from kvsnap.engine.cache import KVCache
+from kvsnap.engine.sampling import TextStream, sample
+from kvsnap.models.load import LoadedModel
 
 
 class Runner:
@@ -71,9 +26,9 @@ class Runner:
         self.lm = lm
         self.tokens_seen = 0  # every token any forward of this runner processed
 
-    def forward(self, cache, token_ids: Sequence[int], start: int) -> torch.Tensor:
+    def forward(self, cache: KVCache, token_ids: Sequence[int], start: int) -> torch.Tensor:
         """Run ``token_ids`` at positions ``start..`` over ``cache``; returns last-position logits [vocab]."""
-        assert kvcache.cache_length(cache) == start, "cache length must equal the first position"
+        assert cache.length == start, "cache length must equal the first position"
         dev = self.lm.device
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=dev)  # [1, S]
         positions = torch.arange(start, start + len(token_ids), device=dev).unsqueeze(0)  # [1, S]
@@ -90,7 +45,7 @@ class Runner:
 
     def prefill(
         self,
-        cache,
+        cache: KVCache,
         token_ids: Sequence[int],
         chunks: Sequence[tuple[int, int]],
         on_chunk: Callable[[int, int], None] | None = None,
@@ -107,51 +62,6 @@ class Runner:
         return logits
 
 
-class TextStream:
-    """Incremental detokenization: emits only text that can no longer change."""
-
-    def __init__(self, tokenizer, stop: Sequence[str] = ()):
-        self.tokenizer = tokenizer
-        self.stop = tuple(s for s in stop if s)
-        self.ids: list[int] = []
-        self.emitted = 0
-        self.text = ""
-        self.stopped = False
-
-    def push(self, token_id: int) -> str:
-        """Add a token; returns the newly final text (may be empty)."""
-        self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        cut = len(text)
-        for s in self.stop:
-            at = text.find(s)
-            if at != -1:
-                cut = min(cut, at)
-                self.stopped = True
-        if self.stopped:
-            text = text[:cut]
-            safe = len(text)
-        else:
-            # Hold back an incomplete multi-byte character and a possible start of a stop string.
-            safe = len(text.rstrip("\ufffd"))
-            for s in self.stop:
-                for k in range(min(len(s) - 1, safe), 0, -1):
-                    if text[:safe].endswith(s[:k]):
-                        safe -= k
-                        break
-        self.text = text
-        if safe <= self.emitted:
-            return ""
-        delta = text[self.emitted : safe]
-        self.emitted = safe
-        return delta
-
-    def flush(self) -> str:
-        delta = self.text[self.emitted :]
-        self.emitted = len(self.text)
-        return delta
-
-
 @dataclass(frozen=True, slots=True)
 class Generation:
     """What one decode loop produced. The last token is sampled but not yet run through the model."""
@@ -166,7 +76,7 @@ class Generation:
 
 def generate(
     runner: Runner,
-    cache,
+    cache: KVCache,
     logits: torch.Tensor,
     start: int,
     params: SamplingParams,
@@ -177,8 +87,6 @@ def generate(
     Ctrl-C (KeyboardInterrupt) ends the loop cleanly: the cache is cut back to the tokens that
     were fully run, and the tokens so far are returned with ``stop_reason="interrupted"``.
     """
-    import time
-
     lm = runner.lm
     generator = None
     if params.seed is not None:
@@ -209,7 +117,7 @@ def generate(
             logits = runner.forward(cache, [token], pos)
             pos += 1
     except KeyboardInterrupt:
-        kvcache.crop(cache, pos)
+        cache.crop(pos)
         reason = "interrupted"
         # The last token may or may not have been run; keep only those that surely were plus one pending.
         ids = ids[: pos - start + 1]

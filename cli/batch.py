@@ -1,4 +1,4 @@
-"""Scripted requests: one prompt or a JSONL batch of jobs, each run through a ``Session``.
+"""``kvsnap run``'s jobs: one prompt or a JSONL batch of jobs, each run through a ``Session``.
 
 A job is ``{"id", "prompt" | "prompt_file" | "messages", "resume"?, "save"?, "max_new_tokens"?,
 "temperature"?, "top_p"?, "top_k"?, "seed"?, "chat"?, "system"?}``. ``prompt_file`` and ``prompt``
@@ -14,13 +14,11 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvsnap.config import SamplingParams
 from kvsnap.errors import ConfigError, KvsnapError
-from kvsnap.snapshot import chat_messages
-
-if TYPE_CHECKING:  # runner imports torch; reading jobs and prompt files must not
-    from kvsnap.runner import SamplingParams
+from kvsnap.types import chat_messages
 
 _SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")
 _JOB_FIELDS = {"id", "prompt", "prompt_file", "messages", "resume", "save", "chat", "system", *_SAMPLING_FIELDS}

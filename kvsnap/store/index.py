@@ -1,6 +1,6 @@
 """The block store's bookkeeping, in memory: which blocks exist, their tree, the LRU clock, pins.
 
-No files, no locks, no torch: ``BlockStore`` (kvsnap/store.py) loads a ``BlockIndex`` from its
+No files, no locks, no torch: ``BlockStore`` (kvsnap/store/store.py) loads a ``BlockIndex`` from its
 JSON index under a file lock, changes it, and writes block files and the index back; tests and
 the replay benchmark drive the same logic without a filesystem.
 
@@ -20,87 +20,15 @@ from __future__ import annotations
 import heapq
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from kvsnap import hashing
+from kvsnap import prefix
 from kvsnap.errors import StoreError
-from kvsnap.snapshot import KV_DTYPES, KVLayout
+from kvsnap.store.records import BlockRecord, ChainInfo, SessionRecord, StoreMatch
 
 INDEX_FORMAT = "kvsnap-store"
 INDEX_VERSION = 1
 COUNTERS = ("lookups", "lookup_blocks", "hits", "prompt_tokens", "hit_tokens", "evictions", "damaged")
-
-
-@dataclass(frozen=True, slots=True)
-class ChainInfo:
-    """What a chain root stands for: one model, its cache layout and one block size (the namespace is hashed in)."""
-
-    root: bytes
-    model: str
-    fingerprint: str
-    layout: KVLayout
-    block_size: int
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRecord:
-    """One stored block as the index knows it; the block's bytes live in the store's block file."""
-
-    hash: bytes
-    parent: bytes  # the previous block's hash, or the chain root for a chain's first block
-    root: bytes
-    token_ids: tuple[int, ...]
-    full: bool  # False for a session's partial tail: kept for export, never matched by a lookup
-    raw_bytes: int
-    stored_bytes: int
-    checksum: str
-    codec: str
-    level: int
-
-
-@dataclass(frozen=True, slots=True)
-class SessionRecord:
-    """A named token sequence over stored blocks. Pinned sessions keep their blocks from eviction."""
-
-    name: str
-    root: bytes
-    token_ids: tuple[int, ...]
-    hashes: tuple[bytes, ...]  # every block of the tokens, the partial tail's (if any) last
-    pinned: bool
-    messages: tuple[dict[str, str], ...] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    logits: str | None = None  # blob id of the last position's logits (float32), if kept
-
-
-@dataclass(frozen=True, slots=True)
-class StoreMatch:
-    """The longest run of full blocks of a prompt found in the store (hashes, parents and tokens checked)."""
-
-    hit_tokens: int
-    block_size: int
-    hashes: tuple[bytes, ...]
-
-    @property
-    def full_blocks(self) -> int:
-        return len(self.hashes)
-
-
-def tail_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
-    """Key of a partial tail block: the chained hash of its fewer-than-``block_size`` tokens.
-
-    Its input is shorter than any full block's, so it never equals a full block's hash.
-    """
-    return hashing.block_hash(parent, token_ids)
-
-
-def block_keys(token_ids: Sequence[int], block_size: int, root: bytes) -> list[bytes]:
-    """Keys of every block of ``token_ids``: the full blocks' chained hashes, then the partial tail's, if any."""
-    keys = hashing.chain_hashes(token_ids, block_size, root)
-    done = len(keys) * block_size
-    if done < len(token_ids):
-        keys.append(tail_hash(keys[-1] if keys else root, token_ids[done:]))
-    return keys
 
 
 class BlockIndex:
@@ -202,21 +130,19 @@ class BlockIndex:
             return StoreMatch(0, block_size, ())
         if chain.block_size != block_size:
             raise ValueError(f"root {root.hex()[:12]} is a chain of block size {chain.block_size}, not {block_size}")
-        hashes: list[bytes] = []
-        parent = root
-        for i, h in enumerate(hashing.chain_hashes(prompt_ids, block_size, root)):
+
+        def accept(_i: int, h: bytes, parent: bytes, block: Sequence[int]) -> bool:
             record = self.blocks.get(h)
-            # A hash hit is trusted only once parent, root and token ids compare equal: a collision stops here.
-            if (
-                record is None
-                or not record.full
-                or record.parent != parent
-                or record.root != root
-                or record.token_ids != tuple(prompt_ids[i * block_size : (i + 1) * block_size])
-            ):
-                break
-            hashes.append(h)
-            parent = h
+            # Parent, root and token ids must compare equal too: a hash collision stops here.
+            return (
+                record is not None
+                and record.full
+                and record.parent == parent
+                and record.root == root
+                and record.token_ids == tuple(block)
+            )
+
+        hashes = prefix.matching_blocks(prompt_ids, block_size, root, accept)
         return StoreMatch(len(hashes) * block_size, block_size, tuple(hashes))
 
     def record_lookup(self, prompt_ids: Sequence[int], match: StoreMatch) -> None:
@@ -355,7 +281,7 @@ class BlockIndex:
                     "model": chain.model,
                     "fingerprint": chain.fingerprint,
                     "block_size": chain.block_size,
-                    "layout": layout_to_json(chain.layout),
+                    "layout": chain.layout.to_json(),
                     "children": below(root),
                 }
             )
@@ -386,150 +312,16 @@ class BlockIndex:
             problems.append("pin counts do not match the pinned sessions")
         return problems
 
-    # -- JSON -----------------------------------------------------------------------------------
+    # -- JSON (kvsnap/store/index_json.py) --------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "format": INDEX_FORMAT,
-            "version": INDEX_VERSION,
-            "hash_scheme": hashing.HASH_SCHEME,
-            "budget_bytes": self.budget_bytes,
-            "clock": self.clock,
-            "counters": self.counters,
-            "chains": [
-                {
-                    "root": c.root.hex(),
-                    "model": c.model,
-                    "fingerprint": c.fingerprint,
-                    "layout": layout_to_json(c.layout),
-                    "block_size": c.block_size,
-                }
-                for c in self.chains.values()
-            ],
-            "blocks": [
-                {
-                    "hash": r.hash.hex(),
-                    "parent": r.parent.hex(),
-                    "root": r.root.hex(),
-                    "tokens": list(r.token_ids),
-                    "full": r.full,
-                    "raw_bytes": r.raw_bytes,
-                    "stored_bytes": r.stored_bytes,
-                    "checksum": r.checksum,
-                    "codec": r.codec,
-                    "level": r.level,
-                    "last_use": self.last_use[r.hash],
-                }
-                for r in self.blocks.values()
-            ],
-            "sessions": [
-                {
-                    "name": s.name,
-                    "root": s.root.hex(),
-                    "tokens": list(s.token_ids),
-                    "hashes": [h.hex() for h in s.hashes],
-                    "pinned": s.pinned,
-                    "messages": list(s.messages) if s.messages is not None else None,
-                    "extra": s.extra,
-                    "logits": s.logits,
-                }
-                for s in self.sessions.values()
-            ],
-        }
+        from kvsnap.store.index_json import index_to_json
+
+        return index_to_json(self)
 
     @classmethod
     def from_json(cls, data: Any) -> BlockIndex:
         """Rebuild an index from ``to_json`` output; anything malformed raises ``StoreError``."""
-        if not isinstance(data, dict) or data.get("format") != INDEX_FORMAT:
-            raise StoreError("not a kvsnap store index")
-        if data.get("version") != INDEX_VERSION:
-            raise StoreError(f"store index version {data.get('version')!r} is not one this kvsnap reads")
-        if data.get("hash_scheme") != hashing.HASH_SCHEME:
-            raise StoreError(f"unknown hash scheme {data.get('hash_scheme')!r}")
-        try:
-            index = cls(_opt_int(data["budget_bytes"]))
-            saved_clock = int(data["clock"])
-            index.counters.update({k: int(data["counters"].get(k, 0)) for k in COUNTERS})
-            for c in data["chains"]:
-                index.add_chain(
-                    ChainInfo(
-                        bytes.fromhex(c["root"]),
-                        str(c["model"]),
-                        str(c["fingerprint"]),
-                        layout_from_json(c["layout"]),
-                        int(c["block_size"]),
-                    )
-                )
-            pending = [_block_from_json(b) for b in data["blocks"]]
-            # Parents before children, whatever order the file lists them in.
-            by_parent: dict[bytes, list[tuple[BlockRecord, int]]] = {}
-            for record, last_use in pending:
-                by_parent.setdefault(record.parent, []).append((record, last_use))
-            stack = [r for r in index.chains]
-            while stack:
-                parent = stack.pop()
-                for record, last_use in by_parent.pop(parent, []):
-                    index.put(record)
-                    index.last_use[record.hash] = last_use
-                    stack.append(record.hash)
-            if by_parent:
-                raise StoreError(f"store index holds {sum(map(len, by_parent.values()))} blocks without a parent")
-            # Loading touched every block; the saved clock (and the saved last uses) stand.
-            index.clock = max([saved_clock, *index.last_use.values()])
-            for s in data["sessions"]:
-                messages = s.get("messages")
-                index.set_session(
-                    SessionRecord(
-                        name=str(s["name"]),
-                        root=bytes.fromhex(s["root"]),
-                        token_ids=tuple(int(t) for t in s["tokens"]),
-                        hashes=tuple(bytes.fromhex(h) for h in s["hashes"]),
-                        pinned=bool(s["pinned"]),
-                        messages=tuple(dict(m) for m in messages) if messages is not None else None,
-                        extra=dict(s.get("extra") or {}),
-                        logits=s.get("logits"),
-                    )
-                )
-        except StoreError:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise StoreError(f"store index is malformed ({type(exc).__name__}: {exc})") from None
-        return index
+        from kvsnap.store.index_json import index_from_json
 
-
-def layout_to_json(layout: KVLayout) -> dict[str, Any]:
-    return {
-        "layers": layout.num_layers,
-        "kv_heads": layout.num_kv_heads,
-        "head_dim": layout.head_dim,
-        "dtype": layout.dtype,
-    }
-
-
-def layout_from_json(data: dict[str, Any]) -> KVLayout:
-    if data["dtype"] not in KV_DTYPES:
-        raise StoreError(f"unknown KV dtype {data['dtype']!r}")
-    return KVLayout(int(data["layers"]), int(data["kv_heads"]), int(data["head_dim"]), data["dtype"])
-
-
-def _opt_int(value: Any) -> int | None:
-    return None if value is None else int(value)
-
-
-def _block_from_json(b: dict[str, Any]) -> tuple[BlockRecord, int]:
-    h = bytes.fromhex(b["hash"])
-    if len(h) != hashing.DIGEST_SIZE:
-        raise StoreError("store index holds a hash of the wrong length")
-    record = BlockRecord(
-        hash=h,
-        parent=bytes.fromhex(b["parent"]),
-        root=bytes.fromhex(b["root"]),
-        token_ids=tuple(int(t) for t in b["tokens"]),
-        full=bool(b["full"]),
-        raw_bytes=int(b["raw_bytes"]),
-        stored_bytes=int(b["stored_bytes"]),
-        checksum=str(b["checksum"]),
-        codec=str(b["codec"]),
-        level=int(b["level"]),
-    )
-    return record, int(b["last_use"])
+        return index_from_json(data)

@@ -11,6 +11,7 @@ import contextlib
 import os
 import re
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from kvsnap.errors import SaveError
@@ -21,7 +22,8 @@ def atomic_write(path: Path, parts: list[bytes | memoryview]) -> int:
     path = Path(os.path.realpath(path))
     folder = path.parent
     try:
-        with _locked(folder):
+        # Writers into one folder take turns; locking the folder leaves no sidecar file behind.
+        with locked(folder, best_effort=True):
             # Under the lock no other writer is active: any temp file of this target is a crash's leftover.
             remove_stale_temps(path)
             try:
@@ -80,24 +82,33 @@ def fsync_dir(folder: Path) -> None:
 
 
 @contextlib.contextmanager
-def _locked(folder: Path):
-    """An exclusive advisory lock (fcntl) on the folder: writers into it take turns.
+def locked(path: Path, *, exclusive: bool = True, best_effort: bool = False) -> Iterator[None]:
+    """An advisory ``fcntl`` lock on ``path``: a folder, or a lock file (created if missing).
 
-    Locking the folder rather than a sidecar file leaves nothing behind; saves are short, so
-    writers of other files in the same folder waiting a moment costs little.
+    Exclusive for writers, shared for readers. With ``best_effort`` a path that cannot be opened
+    is not locked (atomic renames still keep every file whole); otherwise its ``OSError`` is raised.
+    Without fcntl (Windows) nothing is locked.
     """
     try:
         import fcntl
-    except ImportError:  # no fcntl (Windows): atomic rename still keeps every file whole
+    except ImportError:
         yield
         return
     try:
-        fd = os.open(folder, os.O_RDONLY)
+        if os.path.isdir(path):
+            fd = os.open(path, os.O_RDONLY)
+        else:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError:
+                fd = os.open(path, os.O_RDONLY)
     except OSError:
-        yield  # an unreadable folder cannot be locked; the rename still keeps files whole
+        if not best_effort:
+            raise
+        yield
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         yield
     finally:
         os.close(fd)  # closing releases the lock

@@ -1,19 +1,9 @@
-"""The ``.kv`` snapshot file: write (atomically), read lazily, verify. No torch here.
+"""Reading a ``.kv`` snapshot (see ``writer`` for the layout): metadata and tokens checked on open,
+blocks read lazily. No torch here.
 
-A ``.kv`` file is a valid safetensors file::
-
-    __metadata__["kvsnap"]           JSON: version, model identity, cache layout, codec, blocks
-    __metadata__["kvsnap_checksum"]  xxh3-64 of that JSON, so a damaged header is refused
-    tokens                           int32 [num_tokens], all tokens the KV covers
-    block.000000 ...                 uint8 [stored_bytes], one per block: the block's K and V for
-                                     every layer, raw layout [layers, 2, kv_heads, tokens, head_dim],
-                                     encoded by the codec named in the metadata
-    last_logits                      float32 [vocab], optional: logits after the last token
-
-Reading is lazy: ``Snapshot.read_blocks`` touches only the blocks asked for, checks each
-block's checksum, and decodes them in parallel threads. Every way the file can be wrong ends in
-``SnapshotError`` with a one-line message. The format's values and metadata parser live in
-``snapshot_meta``, whole-or-nothing writes in ``atomic``; both are re-exported here.
+``Snapshot.read_into`` touches only the blocks asked for, checks each block's checksum, and decodes
+them in parallel threads straight into the caller's buffers. Every way the file can be wrong ends
+in ``SnapshotError`` with a one-line message.
 """
 
 from __future__ import annotations
@@ -23,190 +13,20 @@ import json
 import mmap
 import os
 import struct
-import threading
-import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from safetensors import safe_open
 
-from kvsnap import codec as codecs
 from kvsnap import hashing
-from kvsnap.atomic import atomic_write, fsync_dir, remove_stale_temps  # noqa: F401  (re-exported)
 from kvsnap.errors import ForeignSnapshotError, SnapshotError
-from kvsnap.snapshot_meta import (  # noqa: F401  (re-exported: the format's values live there)
-    FORMAT_VERSION,
-    KV_DTYPES,
-    READABLE_VERSIONS,
-    BlockInfo,
-    EncodedBlock,
-    KVLayout,
-    SnapshotMeta,
-    _one_line,
-    _parse_meta,
-    chat_messages,
-    checksum,
-)
-
-_DECODE_WORKERS = max(1, min(8, os.cpu_count() or 1))
-
-
-def encode_block(
-    raw: bytes | memoryview,
-    num_tokens: int,
-    hash_: bytes | None,
-    itemsize: int,
-    codec: str = codecs.DEFAULT_CODEC,
-    level: int = codecs.DEFAULT_LEVEL,
-    dtype: str | None = None,
-) -> EncodedBlock:
-    stored = codecs.encode(raw, itemsize, codec, level, dtype)
-    return EncodedBlock(num_tokens, hash_, len(raw), stored, checksum(stored))
-
-
-# ---------------------------------------------------------------------------------------------
-# Writing
-
-
-def write_snapshot(
-    path: str | os.PathLike[str],
-    *,
-    model: str,
-    fingerprint: str,
-    root: bytes,
-    layout: KVLayout,
-    block_size: int,
-    codec: str,
-    level: int,
-    tokens: Sequence[int],
-    blocks: Sequence[EncodedBlock],
-    last_logits: np.ndarray | None = None,
-    messages: Sequence[dict[str, str]] | None = None,
-    extra: dict[str, Any] | None = None,
-    fingerprint_parts: dict[str, str] | None = None,
-    storage_dtype: str | None = None,
-) -> int:
-    """Write a snapshot atomically; returns the file size.
-
-    The file is written to a temporary name in the same folder, flushed, fsynced and renamed
-    over ``path``, then the folder is fsynced: a crash leaves either the old file or the new
-    one, never half of one.
-    """
-    if sum(b.num_tokens for b in blocks) != len(tokens):
-        raise ValueError("blocks do not cover the tokens")
-    token_data = hashing.token_bytes(tokens)
-    logits_data = None
-    if last_logits is not None:
-        logits_data = np.ascontiguousarray(last_logits, dtype="<f4").reshape(-1).tobytes()
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "hash_scheme": hashing.HASH_SCHEME,
-        "model": model,
-        "fingerprint": fingerprint,
-        "root": root.hex(),
-        "layout": {
-            "layers": layout.num_layers,
-            "kv_heads": layout.num_kv_heads,
-            "head_dim": layout.head_dim,
-            "dtype": layout.dtype,
-            "order": "layers,kv,kv_heads,tokens,head_dim",
-        },
-        "block_size": block_size,
-        "codec": codec,
-        "level": level,
-        "num_tokens": len(tokens),
-        "tokens_checksum": checksum(token_data),
-        "blocks": [
-            {
-                "tokens": b.num_tokens,
-                "hash": b.hash.hex() if b.hash is not None else None,
-                "raw_bytes": b.raw_bytes,
-                "stored_bytes": len(b.stored),
-                "checksum": b.checksum,
-            }
-            for b in blocks
-        ],
-        "logits_checksum": checksum(logits_data) if logits_data is not None else None,
-        "messages": list(messages) if messages is not None else None,
-        "created_at": time.time(),
-        "extra": extra or {},
-    }
-    if storage_dtype is not None and storage_dtype != layout.dtype:
-        # Opt-in narrower storage of a float32 cache (lossy): blocks hold this dtype, restore casts back.
-        if storage_dtype not in KV_DTYPES:
-            raise ValueError(f"unknown storage dtype {storage_dtype!r}")
-        meta["storage_dtype"] = storage_dtype
-    if fingerprint_parts:
-        # Config, tokenizer, weights and KV dtype digests: lets a refusal say which one differs.
-        meta["fingerprint_parts"] = dict(fingerprint_parts)
-    # ASCII JSON: chat text with lone surrogates (from odd terminals) still makes a valid file.
-    meta_json = json.dumps(meta, separators=(",", ":"), ensure_ascii=True)
-    header: dict[str, Any] = {"__metadata__": {"kvsnap": meta_json, "kvsnap_checksum": checksum(meta_json.encode())}}
-    payloads: list[bytes | memoryview] = []
-    offset = 0
-
-    def add(name: str, dtype: str, shape: list[int], data: bytes | memoryview) -> None:
-        nonlocal offset
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(data)]}
-        payloads.append(data)
-        offset += len(data)
-
-    add("tokens", "I32", [len(tokens)], token_data)
-    for i, b in enumerate(blocks):
-        add(block_name(i), "U8", [len(b.stored)], b.stored)
-    if logits_data is not None:
-        add("last_logits", "F32", [len(logits_data) // 4], logits_data)
-    header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    header_bytes += b" " * (-len(header_bytes) % 8)  # safetensors aligns the data to 8 bytes
-    return atomic_write(Path(path), [struct.pack("<Q", len(header_bytes)), header_bytes, *payloads])
-
-
-_pools: dict[int, ThreadPoolExecutor] = {}
-_pools_lock = threading.Lock()
-
-
-def _pool(workers: int) -> ThreadPoolExecutor:
-    """A decode pool kept for the process: starting threads anew cost ~1 ms each per restore."""
-    with _pools_lock:
-        pool = _pools.get(workers)
-        if pool is None:
-            pool = _pools[workers] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvsnap-decode")
-        return pool
-
-
-def _after_fork_in_child() -> None:
-    # A forked child has none of the parent's threads: a pool inherited from it would never run a
-    # task, and a lock some parent thread held would never be released.
-    global _pools_lock
-    _pools.clear()
-    _pools_lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-class _Scratch:
-    """One reusable decode buffer per worker thread for one read (fresh pages for every block would
-    cost page faults); dropped with the read, so idle pool threads hold no memory."""
-
-    def __init__(self) -> None:
-        self._bufs: dict[int, np.ndarray] = {}
-
-    def get(self, size: int) -> np.ndarray:
-        key = threading.get_ident()
-        buf = self._bufs.get(key)
-        if buf is None or buf.size < size:
-            buf = self._bufs[key] = np.empty(size, dtype=np.uint8)
-        return buf
-
-
-def block_name(index: int) -> str:
-    return f"block.{index:06d}"
-
+from kvsnap.format import codec as codecs
+from kvsnap.format.meta import _one_line, parse_meta
+from kvsnap.format.pool import DECODE_WORKERS, Scratch, map_in_order
+from kvsnap.format.writer import block_name
+from kvsnap.hashing import checksum
+from kvsnap.types import EncodedBlock, KVLayout
 
 # ---------------------------------------------------------------------------------------------
 # Reading
@@ -236,7 +56,7 @@ class Snapshot:
         else:
             raise SnapshotError(f"{self.path}: the file keeps changing while it is opened")
         try:
-            self.meta = _parse_meta(self._file.metadata())
+            self.meta = parse_meta(self._file.metadata())
             self._check_tensors()
             self.tokens = self._read_tokens()
         except SnapshotError as exc:
@@ -376,49 +196,32 @@ class Snapshot:
         origin = (self._mm, self.file_bytes) if isinstance(stored, memoryview) else None
         return EncodedBlock(info.num_tokens, info.hash, info.raw_bytes, stored, info.checksum, origin)
 
-    def read_blocks(
+    def read_into(
         self,
         indices: Sequence[int],
+        sink: Callable[[int, np.ndarray], None],
         *,
-        workers: int = _DECODE_WORKERS,
-        keep_stored: bool = False,
-        sink: Callable[[int, np.ndarray], None] | None = None,
-    ) -> list[Any] | tuple[list[Any], list[memoryview]]:
-        """Raw bytes of the given blocks, in order; only these blocks' bytes are read.
+        workers: int = DECODE_WORKERS,
+    ) -> list[memoryview]:
+        """Decode the given blocks, each handed to ``sink(index, raw)`` in its worker thread; returns
+        their stored bytes (views of the file, checksum verified), which a session keeps for its next save.
 
-        Blocks are checksum-verified and decoded in parallel threads (zstd and numpy copies
-        release the GIL). With ``sink``, each decoded block is handed to ``sink(index, raw)`` in
-        its worker thread instead (``raw`` is a scratch buffer reused afterwards: copy it out) and
-        the returned raws are None. With ``keep_stored`` also returns the stored bytes (views of
-        the file), which a session keeps for its next save.
+        ``raw`` is a scratch buffer reused afterwards: copy it out. Only these blocks' bytes are read.
         """
-        indices = list(indices)
-        scratch = _Scratch()
+        scratch = Scratch()
 
-        def one(index: int) -> tuple[Any, memoryview]:
+        def one(index: int) -> memoryview:
             stored = self.read_stored(index)
-            if sink is None:
-                return self.decode_block(index, stored), stored
-            raw = self.decode_block(index, stored, out=scratch.get(self.meta.blocks[index].raw_bytes))
-            sink(index, raw)
-            return None, stored
+            sink(index, self.decode_block(index, stored, out=scratch.get(self.meta.blocks[index].raw_bytes)))
+            return stored
 
-        if workers > 1 and len(indices) > 1:
-            futures = [_pool(workers).submit(one, i) for i in indices]
-            try:
-                results = [f.result() for f in futures]
-            except BaseException:
-                # Nothing may still write into the caller's buffers once this returns (a failed
-                # restore is followed by a recompute into other buffers): cancel what has not
-                # started and wait for what has.
-                for f in futures:
-                    f.cancel()
-                wait(futures)
-                raise
-        else:
-            results = [one(i) for i in indices]
-        raws = [r for r, _ in results]
-        return (raws, [st for _, st in results]) if keep_stored else raws
+        return map_in_order(one, indices, workers)
+
+    def read_raw(
+        self, indices: Sequence[int], *, workers: int = DECODE_WORKERS
+    ) -> list[bytes | bytearray | np.ndarray]:
+        """The raw (decoded) bytes of the given blocks, in order, each its own buffer."""
+        return map_in_order(lambda i: self.decode_block(i, self.read_stored(i)), indices, workers)
 
     def last_logits(self) -> np.ndarray | None:
         if self.meta.logits_checksum is None:
@@ -458,7 +261,7 @@ class Snapshot:
         m = self.meta
         if m.layout != layout:
             raise ForeignSnapshotError(
-                f"{self.path}: written for a cache of {_layout_str(m.layout)}, this model has {_layout_str(layout)}"
+                f"{self.path}: written for a cache of {m.layout.describe()}, this model has {layout.describe()}"
             )
         if m.fingerprint != fingerprint:
             ours = fingerprint_parts or {}
@@ -484,7 +287,3 @@ class Snapshot:
 
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def _layout_str(layout: KVLayout) -> str:
-    return f"{layout.num_layers} layers x {layout.num_kv_heads} kv heads x {layout.head_dim} ({layout.dtype})"

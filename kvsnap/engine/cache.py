@@ -1,6 +1,6 @@
 """The only module that knows transformers' cache API (5.17 and up).
 
-Per-block raw KV bytes in, a ``DynamicCache`` the model accepts out, and back. transformers
+Per-block raw KV bytes in, a ``KVCache`` (a ``DynamicCache`` the model accepts) out, and back. transformers
 5.x moves this API between minor versions (``past_key_values`` became ``cache``, layers moved
 to ``cache.layers[i].keys/values``), so every access goes through here.
 """
@@ -17,7 +17,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvsnap.errors import UnsupportedModelError
-from kvsnap.snapshot import KVLayout
+from kvsnap.types import KVLayout
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
@@ -71,33 +71,66 @@ class BufferedLayer(DynamicLayer):
         self.values = values_buf[:, :, :length]
 
 
-def reserve(cache: DynamicCache, capacity: int, layout: KVLayout, device: torch.device) -> None:
-    """Give every layer room for ``capacity`` tokens now, so a long prefill never regrows (and
-    briefly doubles) its buffers chunk after chunk."""
-    dtype = TORCH_DTYPES[layout.dtype]
-    for layer in cache.layers:
-        if not isinstance(layer, BufferedLayer):
-            continue
-        have = layer._kbuf.shape[-2] if layer._kbuf is not None else 0
-        if have >= capacity:
-            continue
-        length = layer.keys.shape[-2] if layer.is_initialized and layer.keys.dim() == 4 else 0
-        shape = (1, layout.num_kv_heads, capacity, layout.head_dim)
-        kbuf = torch.empty(shape, dtype=dtype, device=device)
-        vbuf = torch.empty(shape, dtype=dtype, device=device)
-        if length:
-            kbuf[:, :, :length].copy_(layer.keys)
-            vbuf[:, :, :length].copy_(layer.values)
-        layer.attach(kbuf, vbuf, length)
+class KVCache(DynamicCache):
+    """The cache kvsnap hands the model: a ``DynamicCache`` whose full-attention layers append in
+    place, plus the few operations the engine needs (length, crop, reserve, a block's raw bytes).
 
+    Only configs that pass ``check_supported`` get here.
+    """
 
-def new_cache(config) -> DynamicCache:
-    """An empty cache for ``config`` whose layers append in place (``check_supported`` configs only)."""
-    cache = DynamicCache(config=config)
-    for i, layer in enumerate(cache.layers):
-        if type(layer) is DynamicLayer:
-            cache.layers[i] = BufferedLayer()
-    return cache
+    def __init__(self, config):
+        super().__init__(config=config)
+        for i, layer in enumerate(self.layers):
+            if type(layer) is DynamicLayer:
+                self.layers[i] = BufferedLayer()
+
+    @property
+    def length(self) -> int:
+        return self.get_seq_length()
+
+    def crop(self, length: int) -> None:
+        """Cut every layer back to ``length`` tokens (no-op for layers already shorter).
+
+        Per layer, not ``DynamicCache.crop``: a forward interrupted half way may have grown only some layers.
+        """
+        for layer in self.layers:
+            keys = getattr(layer, "keys", None)
+            if keys is not None and keys.dim() == 4 and keys.shape[-2] > length:
+                layer.keys = layer.keys[..., :length, :]
+                layer.values = layer.values[..., :length, :]
+
+    def reserve(self, capacity: int, layout: KVLayout, device: torch.device) -> None:
+        """Give every layer room for ``capacity`` tokens now, so a long prefill never regrows (and
+        briefly doubles) its buffers chunk after chunk."""
+        dtype = TORCH_DTYPES[layout.dtype]
+        for layer in self.layers:
+            if not isinstance(layer, BufferedLayer):
+                continue
+            have = layer._kbuf.shape[-2] if layer._kbuf is not None else 0
+            if have >= capacity:
+                continue
+            length = layer.keys.shape[-2] if layer.is_initialized and layer.keys.dim() == 4 else 0
+            shape = (1, layout.num_kv_heads, capacity, layout.head_dim)
+            kbuf = torch.empty(shape, dtype=dtype, device=device)
+            vbuf = torch.empty(shape, dtype=dtype, device=device)
+            if length:
+                kbuf[:, :, :length].copy_(layer.keys)
+                vbuf[:, :, :length].copy_(layer.values)
+            layer.attach(kbuf, vbuf, length)
+
+    def block_raw(self, start: int, end: int, dtype: str | None = None) -> np.ndarray:
+        """Tokens ``[start, end)`` as raw bytes in the block layout (uint8, contiguous), cast to
+        ``dtype`` first if given (a narrower storage width)."""
+        # block: [layers, 2, kv_heads, tokens, head_dim]
+        block = torch.stack(
+            [torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end])) for layer in self.layers]
+        )
+        if dtype is not None and TORCH_DTYPES[dtype] != block.dtype:
+            block = block.to(TORCH_DTYPES[dtype])
+        block = block.contiguous()
+        if block.device.type != "cpu":
+            block = block.cpu()
+        return block.view(torch.uint8).reshape(-1).numpy()
 
 
 def check_supported(config) -> None:
@@ -123,38 +156,6 @@ def layout_of(config, dtype: torch.dtype) -> KVLayout:
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     return KVLayout(text.num_hidden_layers, kv_heads, head_dim, DTYPE_NAMES[dtype])
-
-
-def cache_length(cache: DynamicCache) -> int:
-    return cache.get_seq_length()
-
-
-def crop(cache: DynamicCache, length: int) -> None:
-    """Cut every layer back to ``length`` tokens.
-
-    Per layer, not ``cache.crop``: a forward interrupted half way may have grown only some layers.
-    """
-    for layer in cache.layers:
-        keys = getattr(layer, "keys", None)
-        if keys is not None and keys.dim() == 4 and keys.shape[-2] > length:
-            layer.keys = layer.keys[..., :length, :]
-            layer.values = layer.values[..., :length, :]
-
-
-def block_raw(cache: DynamicCache, start: int, end: int, dtype: str | None = None) -> np.ndarray:
-    """Tokens ``[start, end)`` of the cache as raw bytes in the block layout (uint8, contiguous),
-    cast to ``dtype`` first if given (a narrower storage width)."""
-    # block: [layers, 2, kv_heads, tokens, head_dim]
-    parts = []
-    for layer in cache.layers:
-        parts.append(torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end])))
-    block = torch.stack(parts)
-    if dtype is not None and TORCH_DTYPES[dtype] != block.dtype:
-        block = block.to(TORCH_DTYPES[dtype])
-    block = block.contiguous()
-    if block.device.type != "cpu":
-        block = block.cpu()
-    return block.view(torch.uint8).reshape(-1).numpy()
 
 
 # Restores to CUDA stage the blocks in pinned host memory (one fast non-blocking copy, but pinning
@@ -206,7 +207,7 @@ class Restorer:
         src = src.view(self.source_dtype).view(L, 2, H, block_tokens, D)
         self.staging[:, :, :, start : start + use].copy_(src[:, :, :, :use])
 
-    def finish(self, config) -> DynamicCache:
+    def finish(self, config) -> KVCache:
         if self.buf is None:
             L, H, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim
             self.buf = torch.empty((L, 2, H, self.capacity, D), dtype=self.dtype, device=self.device)
@@ -223,7 +224,7 @@ def restore_cache(
     num_tokens: int,
     device: torch.device,
     capacity: int | None = None,
-) -> DynamicCache:
+) -> KVCache:
     """Build a cache holding the first ``num_tokens`` tokens of the given raw blocks, in order.
 
     The cache layers are views of one buffer: the KV is bitwise the stored KV, nothing is
@@ -244,14 +245,14 @@ def restore_cache(
     return restorer.finish(config)
 
 
-def cache_from_buffer(config, buf: torch.Tensor, length: int | None = None) -> DynamicCache:
+def cache_from_buffer(config, buf: torch.Tensor, length: int | None = None) -> KVCache:
     """A cache whose layer ``i`` holds ``buf[i, 0, :, :length]`` (keys) and ``buf[i, 1, :, :length]`` (values).
 
     No copy: the layers are views of ``buf``, and later tokens go into its spare room.
     """
     # buf: [layers, 2, kv_heads, capacity, head_dim]
     length = buf.shape[3] if length is None else length
-    cache = new_cache(config)
+    cache = KVCache(config)
     for i, layer in enumerate(cache.layers):
         layer.attach(buf[i, 0].unsqueeze(0), buf[i, 1].unsqueeze(0), length)
     return cache

@@ -16,13 +16,13 @@ import threading
 import numpy as np
 import zstandard as zstd
 
+from kvsnap.config import DEFAULT_CODEC, DEFAULT_LEVEL
+
 CODECS = ("shuffle-zstd", "zstd", "raw")  # lossless: decode gives back the exact bytes
 # Opt-in, lossy, never the default: int8 with one float32 scale per group of 64 values, then zstd.
 LOSSY_CODECS = ("int8-zstd",)
 ALL_CODECS = CODECS + LOSSY_CODECS
 INT8_GROUP = 64
-DEFAULT_CODEC = "shuffle-zstd"
-DEFAULT_LEVEL = 1
 
 _PLANE_RAW = 0
 _PLANE_ZSTD = 1

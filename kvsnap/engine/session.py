@@ -12,88 +12,38 @@ earlier turn differently, only the tokens that compare equal are reused.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
-from kvsnap import cache as kvcache
-from kvsnap import codec as codecs
 from kvsnap import hashing, prefix
+from kvsnap.config import ON_MISMATCH, SamplingParams, SessionConfig, check_choice
+from kvsnap.engine import restore as restoring
+from kvsnap.engine.cache import KVCache
+from kvsnap.engine.chat_template import render_chat
+from kvsnap.engine.restore import DECODE_ROOM, RestoreStats
+from kvsnap.engine.results import SaveStats, TurnResult
+from kvsnap.engine.runner import Generation, Runner, generate
 from kvsnap.errors import ConfigError, SnapshotError
-from kvsnap.models import LoadedModel
-from kvsnap.runner import Generation, Runner, SamplingParams, generate
-from kvsnap.snapshot import KV_DTYPES, EncodedBlock, Snapshot, encode_block, write_snapshot
+from kvsnap.format.meta import SnapshotHeader
+from kvsnap.format.writer import encode_block, write_snapshot
+from kvsnap.models.load import LoadedModel
+from kvsnap.types import KV_DTYPES, EncodedBlock
 
 if TYPE_CHECKING:
     from kvsnap.store import BlockStore
 
-DEFAULT_BLOCK_SIZE = 64
-DEFAULT_CHUNK_SIZE = 512
 _ENCODE_WORKERS = 4
-_DECODE_ROOM = 256
 
 ProgressFn = Callable[[int, int], None]
 TextFn = Callable[[str], None]
 
-
-@dataclass(frozen=True, slots=True)
-class RestoreStats:
-    path: str
-    snapshot_tokens: int
-    hit_tokens: int
-    blocks_read: int
-    seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class TurnResult:
-    """One request: the reuse ledger, the generated text and where the time went."""
-
-    prompt_tokens: int
-    hit_tokens: int
-    prefill_tokens: int  # tokens the model's forward really saw for this prompt
-    reuse_ratio: float
-    chunks: int
-    logits_source: str  # "prefill" | "snapshot" | "backoff"
-    text: str
-    new_tokens: int
-    stop_reason: str
-    ttft_s: float | None
-    restore_s: float
-    prefill_s: float
-    decode_s: float
-    total_s: float
-    restored_from: str | None = None
-    restore_error: str | None = None  # the snapshot was refused and everything recomputed (on_mismatch="recompute")
-    store_new_blocks: int | None = None  # blocks this request added to the block store (None: no store)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True, slots=True)
-class SaveStats:
-    path: str
-    tokens: int
-    blocks: int
-    blocks_encoded: int  # compressed in this save
-    blocks_reused: int  # already compressed earlier in the session
-    flushed_tokens: int  # sampled tokens run through the model so the file covers them
-    kv_bytes: int
-    file_bytes: int
-    seconds: float
-
-
-def check_codec(codec: str) -> None:
-    """Refuse an unknown snapshot codec (the CLI calls this before loading a model)."""
-    if codec not in codecs.ALL_CODECS:
-        raise ConfigError(f"unknown codec {codec!r} (known: {', '.join(codecs.ALL_CODECS)})")
+__all__ = ["RestoreStats", "SaveStats", "Session", "TurnResult"]
 
 
 class Session:
@@ -106,37 +56,49 @@ class Session:
     def __init__(
         self,
         lm: LoadedModel,
+        config: SessionConfig | None = None,
         *,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
-        namespace: str = "",
-        codec: str = codecs.DEFAULT_CODEC,
-        level: int = codecs.DEFAULT_LEVEL,
         store: BlockStore | None = None,
-        kv_dtype: str | None = None,
+        **settings: Any,
     ):
-        if block_size < 1:
-            raise ConfigError("block_size must be >= 1")
-        if chunk_size < 1:
-            raise ConfigError("chunk_size must be >= 1")
-        check_codec(codec)
-        if store is not None and codec in codecs.LOSSY_CODECS:
-            raise ConfigError("a lossy codec is for .kv files; blocks in the store are shared and kept exact")
+        """``config`` or its fields as keywords (``block_size``, ``chunk_size``, ``namespace``, ``codec``,
+        ``level``, ``kv_dtype``); every default lives in ``kvsnap.config``."""
+        if config is None:
+            try:
+                config = SessionConfig(**settings)
+            except TypeError as exc:
+                raise ConfigError(str(exc)) from None
+        elif settings:
+            raise ConfigError("give a SessionConfig or its settings as keywords, not both")
+        self.config = config.check(with_store=store is not None)
         self.lm = lm
         self.runner = Runner(lm)
-        self.block_size = block_size
-        self.chunk_size = chunk_size
-        self.namespace = namespace
-        self.codec = codec
-        self.level = level
         self.store = store
         # Opt-in narrower storage of the KV in snapshots (lossy for a float32 cache); named in the file.
-        self.storage_dtype = kv_dtype or lm.layout.dtype
-        if self.storage_dtype not in KV_DTYPES:
-            raise ConfigError(f"unknown KV storage dtype {kv_dtype!r} (known: {', '.join(KV_DTYPES)})")
+        self.storage_dtype = config.kv_dtype or lm.layout.dtype
         if store is not None and self.storage_dtype != lm.layout.dtype:
             raise ConfigError("a narrower --kv-dtype is for .kv files; the block store keeps the cache's own dtype")
         self.reset()
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def chunk_size(self) -> int:
+        return self.config.chunk_size
+
+    @property
+    def namespace(self) -> str:
+        return self.config.namespace
+
+    @property
+    def codec(self) -> str:
+        return self.config.codec
+
+    @property
+    def level(self) -> int:
+        return self.config.level
 
     # -- state ------------------------------------------------------------------------------
 
@@ -144,7 +106,7 @@ class Session:
         """Forget everything: tokens, cache, messages."""
         self.tokens: list[int] = []
         self.pending: list[int] = []
-        self.cache = kvcache.new_cache(self.lm.config)
+        self.cache = KVCache(self.lm.config)
         self.last_logits: torch.Tensor | None = None
         self.messages: list[dict[str, str]] | None = None
         self._encoded: dict[bytes, EncodedBlock] = {}
@@ -163,12 +125,33 @@ class Session:
     def _truncate(self, length: int) -> None:
         if length >= len(self.tokens):
             return
-        kvcache.crop(self.cache, length)
+        self.cache.crop(length)
         self.tokens = self.tokens[:length]
         self.last_logits = None
         # Blocks past the cut will be recomputed; their encodings must not stand in for the new KV.
         keep = set(hashing.chain_hashes(self.tokens, self.block_size, self.root()))
         self._encoded = {h: b for h, b in self._encoded.items() if h in keep}
+
+    @contextlib.contextmanager
+    def _rollback_on_error(self) -> Iterator[None]:
+        """A forward that fails half way (an error, Ctrl-C) must not leave KV for tokens the session
+        does not hold: the cache is cut back to ``tokens`` and the error goes on."""
+        try:
+            yield
+        except BaseException:
+            self.cache.crop(len(self.tokens))
+            raise
+
+    def _commit(self, state: restoring.Restored) -> RestoreStats:
+        """Take a restored state whole (only once everything was read and checked)."""
+        self.cache = state.cache
+        self.tokens = state.tokens
+        self.pending = []
+        logits = state.last_logits
+        self.last_logits = torch.from_numpy(logits).to(self.lm.device) if logits is not None else None
+        self._encoded = state.encoded
+        self.messages = state.messages
+        return state.stats
 
     # -- restore -----------------------------------------------------------------------------
 
@@ -179,104 +162,66 @@ class Session:
         (lazily, block by block); without, the whole snapshot and its chat messages. On any error
         the session is left exactly as it was.
         """
-        t0 = time.perf_counter()
-        with Snapshot(path) as snap:
-            meta = snap.meta
-            root = self.root(meta.block_size)
-            snap.check_compatible(
-                model=self.lm.name,
-                fingerprint=self.lm.fingerprint,
-                root=root,
-                layout=self.lm.layout,
-                fingerprint_parts=self.lm.fingerprint_parts,
-            )
-            if prompt_ids is None:
-                hit = meta.num_tokens
-            else:
-                hit = prefix.match_prefix(prompt_ids, snap.tokens, meta.block_hashes, meta.block_size, root).hit_tokens
-            num_blocks = -(-hit // meta.block_size)
-            # Room for the suffix and a first answer, so they are written in place.
-            room = max(len(prompt_ids or ()), hit) + _DECODE_ROOM
-            restorer = kvcache.Restorer(
-                self.lm.layout, hit, self.lm.device, capacity=room, storage_dtype=meta.storage_layout.dtype
-            )
-            starts = [i * meta.block_size for i in range(num_blocks)]
-
-            def sink(index: int, raw) -> None:
-                restorer.write(starts[index], meta.blocks[index].num_tokens, raw)
-
-            _, stored = snap.read_blocks(range(num_blocks), keep_stored=True, sink=sink)
-            whole = hit == meta.num_tokens
-            logits = snap.last_logits() if whole else None
-            cache = restorer.finish(self.lm.config)
-            encoded = {}
-            same_encoding = (meta.codec, meta.storage_layout.dtype) == (self.codec, self.storage_dtype)
-            if meta.block_size == self.block_size and same_encoding:
-                for i in range(hit // meta.block_size):
-                    block = snap.encoded_block(i, stored[i])
-                    encoded[block.hash] = block
-            tokens = snap.tokens[:hit]
-            messages = list(meta.messages) if (whole and meta.messages is not None) else None
-        # Commit only now that everything was read and checked.
-        self.cache = cache
-        self.tokens = tokens
-        self.pending = []
-        self.last_logits = torch.from_numpy(logits).to(self.lm.device) if logits is not None else None
-        self._encoded = encoded
-        # A partial prefix of a chat is no longer that chat: its messages would not match the tokens.
-        self.messages = messages
-        return RestoreStats(str(path), meta.num_tokens, hit, num_blocks, time.perf_counter() - t0)
+        state = restoring.from_snapshot(
+            self.lm,
+            path,
+            self.root,
+            prompt_ids,
+            block_size=self.block_size,
+            codec=self.codec,
+            storage_dtype=self.storage_dtype,
+        )
+        return self._commit(state)
 
     def restore_from_store(self, prompt_ids: Sequence[int]) -> RestoreStats | None:
         """Take the longest prefix of ``prompt_ids`` held in the block store, if it beats what the
         session already holds for this prompt; returns None when it does not. The model does not run."""
         assert self.store is not None
-        t0 = time.perf_counter()
         have = prefix.common_prefix_len(self.tokens, prompt_ids)
-        match, blocks = self.store.fetch(prompt_ids, self.root(), self.block_size)
-        if match.hit_tokens <= have:
-            return None
-        hit = match.hit_tokens
-        layout = self.lm.layout
-        restorer = kvcache.Restorer(layout, hit, self.lm.device, capacity=len(prompt_ids) + _DECODE_ROOM)
-        scratch = np.empty(self.block_size * layout.bytes_per_token, dtype=np.uint8)
-        for i, block in enumerate(blocks):
-            restorer.write(i * self.block_size, self.block_size, block.decode(layout.itemsize, out=scratch))
-        cache = restorer.finish(self.lm.config)
-        self.cache = cache
-        self.tokens = list(prompt_ids[:hit])
-        self.pending = []
-        self.last_logits = None
-        self._encoded = {b.record.hash: b.encoded() for b in blocks if b.record.codec == self.codec}
-        return RestoreStats("store", hit, hit, len(blocks), time.perf_counter() - t0)
+        state = restoring.from_store(
+            self.lm, self.store, prompt_ids, self.root(), block_size=self.block_size, codec=self.codec, have=have
+        )
+        return self._commit(state) if state is not None else None
 
-    def save_to_store(self, name: str | None = None) -> int:
-        """Add the session's full blocks to the block store (blocks already there are not encoded
-        again); returns how many blocks were new to the store.
-
-        With ``name`` the whole session (sampled tokens run first, partial tail block, chat
-        messages and last logits included) is also recorded as a named store session, which
-        ``kvsnap store pin/export`` work on.
-        """
-        assert self.store is not None
+    def _chain(self):
         from kvsnap.store import ChainInfo
 
-        if name is not None:
-            self.flush()
+        return ChainInfo(self.root(), self.lm.name, self.lm.fingerprint, self.lm.layout, self.block_size)
+
+    def _blocks_for_store(self, tokens: Sequence[int]) -> list[EncodedBlock | None]:
+        """Blocks of ``tokens`` for the store: None for those it holds already, the rest encoded."""
+        assert self.store is not None
+        known = len(self.store.lookup(tokens, self.root(), self.block_size, touch=False).hashes)
+        return [None] * known + self._encode_blocks(tokens, first=known)[0]
+
+    def store_blocks(self) -> int:
+        """Add the session's full blocks to the block store (blocks already there are not encoded
+        again); returns how many blocks were new to the store."""
         bs = self.block_size
-        tokens = self.tokens if name is not None else self.tokens[: len(self.tokens) // bs * bs]
+        tokens = self.tokens[: len(self.tokens) // bs * bs]
         if not tokens:
             return 0
-        root = self.root()
-        known = len(self.store.lookup(tokens, root, bs, touch=False).hashes)
-        blocks: list[EncodedBlock | None] = [None] * known
-        blocks += self._encode_blocks(tokens, first=known)[0]
-        chain = ChainInfo(root, self.lm.name, self.lm.fingerprint, self.lm.layout, bs)
-        if name is None:
-            return self.store.put(chain, tokens, blocks, codec=self.codec, level=self.level).new_blocks
+        blocks = self._blocks_for_store(tokens)
+        return self.store.put(self._chain(), tokens, blocks, codec=self.codec, level=self.level).new_blocks
+
+    def store_session(self, name: str) -> int:
+        """Record the whole session in the block store as session ``name`` (sampled tokens run first;
+        partial tail block, chat messages and last logits included), which ``kvsnap store pin/export``
+        work on; returns how many blocks were new to the store."""
+        self.flush()
+        if not self.tokens:
+            return 0
+        blocks = self._blocks_for_store(self.tokens)
         logits = self.last_logits.float().cpu().numpy() if self.last_logits is not None else None
         return self.store.add_session(
-            name, chain, tokens, blocks, codec=self.codec, level=self.level, messages=self.messages, last_logits=logits
+            name,
+            self._chain(),
+            self.tokens,
+            blocks,
+            codec=self.codec,
+            level=self.level,
+            messages=self.messages,
+            last_logits=logits,
         ).new_blocks
 
     # -- prefill and decode -------------------------------------------------------------------
@@ -297,13 +242,10 @@ class Session:
         self._truncate(plan.hit_tokens)
         self.pending = []
         if plan.chunks:
-            kvcache.reserve(self.cache, len(prompt) + _DECODE_ROOM, self.lm.layout, self.lm.device)
+            self.cache.reserve(len(prompt) + DECODE_ROOM, self.lm.layout, self.lm.device)
         seen0 = self.runner.tokens_seen
-        try:
+        with self._rollback_on_error():
             logits = self.runner.prefill(self.cache, prompt, plan.chunks, on_progress)
-        except BaseException:
-            kvcache.crop(self.cache, len(self.tokens))  # a half-run chunk must not stay in the cache
-            raise
         self.tokens = prompt
         if logits is not None:
             self.last_logits = logits
@@ -314,11 +256,8 @@ class Session:
         if not self.pending:
             return 0
         n = len(self.pending)
-        try:
+        with self._rollback_on_error():
             self.last_logits = self.runner.forward(self.cache, self.pending, len(self.tokens))
-        except BaseException:
-            kvcache.crop(self.cache, len(self.tokens))  # a half-run forward must not stay in the cache
-            raise
         self.tokens += self.pending
         self.pending = []
         return n
@@ -328,13 +267,10 @@ class Session:
         self.flush()
         if self.last_logits is None:
             raise ConfigError("nothing to continue from: prefill a prompt first")
-        try:
+        # generate() handles Ctrl-C itself; any other error (a failing on_text callback, the model) keeps
+        # the session as it was.
+        with self._rollback_on_error():
             gen = generate(self.runner, self.cache, self.last_logits, len(self.tokens), params, on_text)
-        except BaseException:
-            # generate() handles Ctrl-C itself; any other error (a failing on_text callback, the model)
-            # would leave KV for tokens the session does not hold: drop them, keep the session as it was.
-            kvcache.crop(self.cache, len(self.tokens))
-            raise
         self.tokens += list(gen.token_ids[: gen.forwarded])
         self.pending = list(gen.token_ids[gen.forwarded :])
         self.last_logits = gen.last_logits
@@ -356,8 +292,7 @@ class Session:
         ``on_mismatch="recompute"`` turns a refused snapshot (damaged, foreign, too new) into a
         cold run that says why in ``restore_error``; the default raises the ``SnapshotError``.
         """
-        if on_mismatch not in ("error", "recompute"):
-            raise ConfigError(f"on_mismatch must be 'error' or 'recompute', not {on_mismatch!r}")
+        check_choice("on_mismatch", on_mismatch, ON_MISMATCH)
         t0 = time.perf_counter()
         restored = None
         restore_error = None
@@ -374,7 +309,9 @@ class Session:
         t2 = time.perf_counter()
         gen = self.generate(params, on_text) if params.max_new_tokens > 0 else None
         t3 = time.perf_counter()
-        store_new = self.save_to_store(store_session) if self.store is not None else None
+        store_new = None
+        if self.store is not None:
+            store_new = self.store_session(store_session) if store_session is not None else self.store_blocks()
         first = gen.first_token_at if gen is not None else None
         return TurnResult(
             **prefix.Ledger.of(plan, seen).as_dict(),
@@ -396,11 +333,7 @@ class Session:
 
     def render_chat(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of ``messages`` in the model's chat template."""
-        tok = self.lm.tokenizer
-        if not getattr(tok, "chat_template", None):
-            raise ConfigError(f"model {self.lm.name} has no chat template; give a raw prompt instead")
-        text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
-        return list(tok(text, add_special_tokens=False)["input_ids"])
+        return render_chat(self.lm, messages, add_generation_prompt)
 
     def chat(
         self,
@@ -424,7 +357,7 @@ class Session:
         messages.append({"role": "assistant", "content": result.text})
         self.messages = messages
         if self.store is not None and store_session is not None:
-            self.save_to_store(store_session)
+            self.store_session(store_session)
         return result
 
     # -- save --------------------------------------------------------------------------------
@@ -451,7 +384,7 @@ class Session:
 
         def encode(job: tuple[int, int, int, bytes | None]) -> EncodedBlock:
             _, start, end, h = job
-            raw = kvcache.block_raw(self.cache, start, end, self.storage_dtype)
+            raw = self.cache.block_raw(start, end, self.storage_dtype)
             return encode_block(raw, end - start, h, itemsize, self.codec, self.level, self.storage_dtype)
 
         with ThreadPoolExecutor(max_workers=_ENCODE_WORKERS) as pool:
@@ -471,27 +404,23 @@ class Session:
         """
         t0 = time.perf_counter()
         flushed = self.flush()
-        bs = self.block_size
         n = len(self.tokens)
         final, encoded = self._encode_blocks(self.tokens)
         logits = self.last_logits.float().cpu().numpy() if self.last_logits is not None else None
-        size = write_snapshot(
-            path,
+        header = SnapshotHeader(
             model=self.lm.name,
             fingerprint=self.lm.fingerprint,
             root=self.root(),
             layout=self.lm.layout,
-            block_size=bs,
+            block_size=self.block_size,
             codec=self.codec,
             level=self.level,
-            tokens=self.tokens,
-            blocks=final,
-            last_logits=logits,
-            messages=self.messages,
             fingerprint_parts=self.lm.fingerprint_parts,
             storage_dtype=self.storage_dtype,
+            # Lets inspect find the tokenizer of a model named by a relative path, a .gguf or a hub id.
             extra={"model_folder": str(Path(self.lm.folder).resolve())},
         )
+        size = write_snapshot(path, header, self.tokens, final, last_logits=logits, messages=self.messages)
         self._encoded = {b.hash: b for b in final if b.hash is not None}
         return SaveStats(
             path=str(path),

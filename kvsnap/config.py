@@ -1,0 +1,95 @@
+"""Every default a user can change, and its check, in one place. No torch.
+
+The CLI takes its defaults from here (so ``--help`` and the Python API agree) and checks every
+setting before it loads a model: a bad flag costs milliseconds, not a model load.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvsnap.errors import ConfigError
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_BLOCK_SIZE = 64  # tokens per block: the unit of hashing, storage and reuse
+DEFAULT_CHUNK_SIZE = 512  # tokens per prefill forward
+DEFAULT_CODEC = "shuffle-zstd"
+DEFAULT_LEVEL = 1  # zstd level: 1 compresses float KV within 1% of level 3, several times faster
+DEFAULT_DEVICE = "auto"
+DEFAULT_DTYPE = "auto"
+ON_MISMATCH = ("error", "recompute")  # what to do when a --resume snapshot is refused
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens. ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` are off."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.7
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ConfigError("max_new_tokens must be >= 0")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ConfigError("temperature must be a finite number >= 0")
+        if self.top_k < 0:
+            raise ConfigError("top_k must be >= 0")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            raise ConfigError("top_p must be in (0, 1]")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ConfigError("seed must be in [0, 2**63)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+# `kvsnap run` is for scripts: greedy by default, so the same prompt gives the same answer.
+RUN_SAMPLING = SamplingParams(max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0)
+CHAT_SAMPLING = SamplingParams(max_new_tokens=512, temperature=0.7, top_p=0.95, top_k=0)
+
+
+def check_codec(codec: str) -> None:
+    """Refuse an unknown snapshot codec."""
+    from kvsnap.format.codec import ALL_CODECS
+
+    if codec not in ALL_CODECS:
+        raise ConfigError(f"unknown codec {codec!r} (known: {', '.join(ALL_CODECS)})")
+
+
+def check_choice(flag: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{flag} must be {', '.join(allowed[:-1])} or {allowed[-1]}, not {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class SessionConfig:
+    """How a session keys, prefills and stores its KV. ``check()`` refuses what cannot work."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    namespace: str = ""
+    codec: str = DEFAULT_CODEC
+    level: int = DEFAULT_LEVEL
+    kv_dtype: str | None = None  # narrower storage of the KV in .kv files (lossy); None: the cache's dtype
+
+    def check(self, *, with_store: bool = False) -> SessionConfig:
+        """Raise ``ConfigError`` for a setting that cannot work; returns self."""
+        from kvsnap.format.codec import LOSSY_CODECS
+        from kvsnap.types import KV_DTYPES
+
+        if self.block_size < 1:
+            raise ConfigError("block_size must be >= 1")
+        if self.chunk_size < 1:
+            raise ConfigError("chunk_size must be >= 1")
+        check_codec(self.codec)
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"unknown KV storage dtype {self.kv_dtype!r} (known: {', '.join(KV_DTYPES)})")
+        if with_store and self.codec in LOSSY_CODECS:
+            raise ConfigError("a lossy codec is for .kv files; blocks in the store are shared and kept exact")
+        return self

@@ -1,0 +1,11 @@
+"""Running a model over a KV cache; torch lives here (and in ``kvsnap.models.load``).
+
+cache          ``KVCache``: the one adapter to transformers' cache API; raw blocks in and out
+attention      a GQA-aware SDPA registered with transformers (no ``repeat_kv`` copy)
+sampling       logits -> token ids, token ids -> streamed text
+runner         forward passes with explicit positions; the decode loop
+restore        a prefix's KV from a ``.kv`` file or the block store, without the model
+chat_template  chat messages -> token ids
+results        what a request and a save report
+session        ``Session``: restore -> chunked prefill -> decode -> save
+"""

@@ -1,0 +1,128 @@
+"""Restoring a prefix's KV without running the model: from a ``.kv`` file or from the block store.
+
+Each function reads and checks everything first and returns a ``Restored`` state; the session
+commits it whole (``Session._commit``), so a failure leaves the session as it was.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvsnap import prefix
+from kvsnap.engine.cache import KVCache, Restorer
+from kvsnap.format.reader import Snapshot
+from kvsnap.models.load import LoadedModel
+from kvsnap.types import EncodedBlock
+
+if TYPE_CHECKING:
+    from kvsnap.store import BlockStore
+
+# Room past the prompt for a first answer, so it is written in place.
+DECODE_ROOM = 256
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreStats:
+    path: str
+    snapshot_tokens: int
+    hit_tokens: int
+    blocks_read: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """A session's state after a restore, ready to commit."""
+
+    cache: KVCache
+    tokens: list[int]
+    last_logits: np.ndarray | None  # after tokens[-1], when the source kept them
+    encoded: dict[bytes, EncodedBlock]  # blocks already encoded as the session would save them
+    messages: list[dict[str, str]] | None
+    stats: RestoreStats
+
+
+def from_snapshot(
+    lm: LoadedModel,
+    path: str | Path,
+    root_for: Callable[[int], bytes],
+    prompt_ids: Sequence[int] | None,
+    *,
+    block_size: int,
+    codec: str,
+    storage_dtype: str,
+) -> Restored:
+    """The longest prefix of ``prompt_ids`` a snapshot holds (all of it, with its chat messages, when
+    ``prompt_ids`` is None). Only the matched blocks are read. ``root_for(block_size)`` gives the
+    session's chain root; a snapshot under another root, model or layout is refused."""
+    t0 = time.perf_counter()
+    with Snapshot(path) as snap:
+        meta = snap.meta
+        root = root_for(meta.block_size)
+        snap.check_compatible(
+            model=lm.name,
+            fingerprint=lm.fingerprint,
+            root=root,
+            layout=lm.layout,
+            fingerprint_parts=lm.fingerprint_parts,
+        )
+        if prompt_ids is None:
+            hit = meta.num_tokens
+        else:
+            hit = prefix.match_prefix(prompt_ids, snap.tokens, meta.block_hashes, meta.block_size, root).hit_tokens
+        num_blocks = -(-hit // meta.block_size)
+        room = max(len(prompt_ids or ()), hit) + DECODE_ROOM
+        restorer = Restorer(lm.layout, hit, lm.device, capacity=room, storage_dtype=meta.storage_layout.dtype)
+        starts = [i * meta.block_size for i in range(num_blocks)]
+
+        def sink(index: int, raw: np.ndarray) -> None:
+            restorer.write(starts[index], meta.blocks[index].num_tokens, raw)
+
+        stored = snap.read_into(range(num_blocks), sink)
+        whole = hit == meta.num_tokens
+        logits = snap.last_logits() if whole else None
+        cache = restorer.finish(lm.config)
+        encoded = {}
+        # Blocks kept as read are written as they are by the next save, if it encodes them the same way.
+        if meta.block_size == block_size and (meta.codec, meta.storage_layout.dtype) == (codec, storage_dtype):
+            for i in range(hit // meta.block_size):
+                block = snap.encoded_block(i, stored[i])
+                encoded[block.hash] = block
+        tokens = snap.tokens[:hit]
+        # A partial prefix of a chat is no longer that chat: its messages would not match the tokens.
+        messages = list(meta.messages) if (whole and meta.messages is not None) else None
+    stats = RestoreStats(str(path), meta.num_tokens, hit, num_blocks, time.perf_counter() - t0)
+    return Restored(cache, tokens, logits, encoded, messages, stats)
+
+
+def from_store(
+    lm: LoadedModel,
+    store: BlockStore,
+    prompt_ids: Sequence[int],
+    root: bytes,
+    *,
+    block_size: int,
+    codec: str,
+    have: int,
+) -> Restored | None:
+    """The longest prefix of ``prompt_ids`` the block store holds, if it is longer than ``have``
+    tokens (what the session already holds for this prompt); None otherwise."""
+    t0 = time.perf_counter()
+    match, blocks = store.fetch(prompt_ids, root, block_size)
+    if match.hit_tokens <= have:
+        return None
+    hit = match.hit_tokens
+    layout = lm.layout
+    restorer = Restorer(layout, hit, lm.device, capacity=len(prompt_ids) + DECODE_ROOM)
+    scratch = np.empty(block_size * layout.bytes_per_token, dtype=np.uint8)
+    for i, block in enumerate(blocks):
+        restorer.write(i * block_size, block_size, block.decode(layout.itemsize, out=scratch))
+    encoded = {b.record.hash: b.encoded() for b in blocks if b.record.codec == codec}
+    stats = RestoreStats("store", hit, hit, len(blocks), time.perf_counter() - t0)
+    return Restored(restorer.finish(lm.config), list(prompt_ids[:hit]), None, encoded, None, stats)

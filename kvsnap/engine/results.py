@@ -1,0 +1,49 @@
+"""What a request and a save report: plain values, for the ledger, ``--json`` and the UI."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvsnap.engine.restore import RestoreStats
+
+__all__ = ["RestoreStats", "SaveStats", "TurnResult"]
+
+
+@dataclass(frozen=True, slots=True)
+class TurnResult:
+    """One request: the reuse ledger, the generated text and where the time went."""
+
+    prompt_tokens: int
+    hit_tokens: int
+    prefill_tokens: int  # tokens the model's forward really saw for this prompt
+    reuse_ratio: float
+    chunks: int
+    logits_source: str  # "prefill" | "snapshot" | "backoff"
+    text: str
+    new_tokens: int
+    stop_reason: str
+    ttft_s: float | None
+    restore_s: float
+    prefill_s: float
+    decode_s: float
+    total_s: float
+    restored_from: str | None = None
+    restore_error: str | None = None  # the snapshot was refused and everything recomputed (on_mismatch="recompute")
+    store_new_blocks: int | None = None  # blocks this request added to the block store (None: no store)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class SaveStats:
+    path: str
+    tokens: int
+    blocks: int
+    blocks_encoded: int  # compressed in this save
+    blocks_reused: int  # already compressed earlier in the session
+    flushed_tokens: int  # sampled tokens run through the model so the file covers them
+    kv_bytes: int
+    file_bytes: int
+    seconds: float

@@ -1,0 +1,98 @@
+"""Writing a ``.kv`` snapshot: encode blocks, lay out the safetensors bytes, replace the file atomically.
+
+The file is a valid safetensors file::
+
+    __metadata__["kvsnap"]           JSON: version, model identity, cache layout, codec, blocks (see meta)
+    __metadata__["kvsnap_checksum"]  xxh3-64 of that JSON, so a damaged header is refused
+    tokens                           int32 [num_tokens], all tokens the KV covers
+    block.000000 ...                 uint8 [stored_bytes], one per block: the block's K and V for
+                                     every layer, raw layout [layers, 2, kv_heads, tokens, head_dim],
+                                     encoded by the codec named in the metadata
+    last_logits                      float32 [vocab], optional: logits after the last token
+
+No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvsnap import hashing
+from kvsnap.format import codec as codecs
+from kvsnap.format.atomic import atomic_write
+from kvsnap.format.meta import SnapshotHeader, build_meta
+from kvsnap.hashing import checksum
+from kvsnap.types import EncodedBlock
+
+
+def block_name(index: int) -> str:
+    return f"block.{index:06d}"
+
+
+def encode_block(
+    raw: bytes | memoryview,
+    num_tokens: int,
+    hash_: bytes | None,
+    itemsize: int,
+    codec: str = codecs.DEFAULT_CODEC,
+    level: int = codecs.DEFAULT_LEVEL,
+    dtype: str | None = None,
+) -> EncodedBlock:
+    stored = codecs.encode(raw, itemsize, codec, level, dtype)
+    return EncodedBlock(num_tokens, hash_, len(raw), stored, checksum(stored))
+
+
+def write_snapshot(
+    path: str | os.PathLike[str],
+    header: SnapshotHeader,
+    tokens: Sequence[int],
+    blocks: Sequence[EncodedBlock],
+    *,
+    last_logits: np.ndarray | None = None,
+    messages: Sequence[dict[str, str]] | None = None,
+) -> int:
+    """Write a snapshot atomically; returns the file size.
+
+    The file is written to a temporary name in the same folder, flushed, fsynced and renamed
+    over ``path``, then the folder is fsynced: a crash leaves either the old file or the new
+    one, never half of one.
+    """
+    if sum(b.num_tokens for b in blocks) != len(tokens):
+        raise ValueError("blocks do not cover the tokens")
+    token_data = hashing.token_bytes(tokens)
+    logits_data = None
+    if last_logits is not None:
+        logits_data = np.ascontiguousarray(last_logits, dtype="<f4").reshape(-1).tobytes()
+    meta_json = build_meta(
+        header,
+        tokens_checksum=checksum(token_data),
+        num_tokens=len(tokens),
+        blocks=blocks,
+        logits_checksum=checksum(logits_data) if logits_data is not None else None,
+        messages=messages,
+    )
+    tensors: dict[str, Any] = {"__metadata__": {"kvsnap": meta_json, "kvsnap_checksum": checksum(meta_json.encode())}}
+    payloads: list[bytes | memoryview] = []
+    offset = 0
+
+    def add(name: str, dtype: str, shape: list[int], data: bytes | memoryview) -> None:
+        nonlocal offset
+        tensors[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(data)]}
+        payloads.append(data)
+        offset += len(data)
+
+    add("tokens", "I32", [len(tokens)], token_data)
+    for i, b in enumerate(blocks):
+        add(block_name(i), "U8", [len(b.stored)], b.stored)
+    if logits_data is not None:
+        add("last_logits", "F32", [len(logits_data) // 4], logits_data)
+    header_bytes = json.dumps(tensors, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)  # safetensors aligns the data to 8 bytes
+    return atomic_write(Path(path), [struct.pack("<Q", len(header_bytes)), header_bytes, *payloads])

@@ -1,0 +1,39 @@
+"""Models: which folder a name means, what identifies its KV, and loading it.
+
+resolve      names to folders (default model, folder, .gguf, cached hub id); GGUF conversion
+fingerprint  the digests that key every hash chain to one model
+load         device, dtype, weights and tokenizer -> ``LoadedModel`` (imports torch)
+"""
+
+from kvsnap.config import DEFAULT_MODEL
+from kvsnap.models.fingerprint import fingerprint, fingerprint_of, fingerprint_parts, weights_digest
+from kvsnap.models.load import LoadedModel, load_model, load_tokenizer, resolve_device, resolve_dtype
+from kvsnap.models.resolve import (
+    DEFAULT_PACKAGE,
+    INSTALL_COMMAND,
+    convert_gguf,
+    default_gguf_path,
+    is_ready,
+    kvsnap_home,
+    resolve_model,
+)
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "DEFAULT_PACKAGE",
+    "INSTALL_COMMAND",
+    "LoadedModel",
+    "convert_gguf",
+    "default_gguf_path",
+    "fingerprint",
+    "fingerprint_of",
+    "fingerprint_parts",
+    "is_ready",
+    "kvsnap_home",
+    "load_model",
+    "load_tokenizer",
+    "resolve_device",
+    "resolve_dtype",
+    "resolve_model",
+    "weights_digest",
+]

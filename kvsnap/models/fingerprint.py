@@ -1,0 +1,118 @@
+"""The model fingerprint: what changes the KV a model computes, as digests.
+
+It seeds every hash chain, so a snapshot of another model (config, RoPE, tokenizer, weights or
+cache dtype) never matches. The parts are kept apart so a refusal can say which one differs.
+No torch here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from kvsnap.errors import ModelError
+from kvsnap.models.resolve import kvsnap_home
+
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+# Config keys that do not change the KV a model computes.
+_VOLATILE_CONFIG = {
+    "transformers_version",
+    "_name_or_path",
+    "torch_dtype",
+    "dtype",
+    "architectures",
+    "use_cache",
+}
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def weights_digest(folder: Path) -> str:
+    """Digest of the weight files; cached beside them (or under $KVSNAP_HOME) by size and mtime."""
+    files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".gguf"))
+    if not files:
+        raise ModelError(f"{folder}: no weight files")
+    stamp = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+    key = hashlib.blake2b(str(folder.resolve()).encode(), digest_size=8).hexdigest()
+    cache_file = kvsnap_home() / "digests" / f"{key}.json"
+    try:
+        cached = json.loads(cache_file.read_text())
+        if cached.get("stamp") == stamp:
+            return cached["digest"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    h = hashlib.blake2b(digest_size=16)
+    for p in files:
+        h.update(p.name.encode() + b"\0" + _file_digest(p).encode())
+    digest = h.hexdigest()
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"stamp": stamp, "digest": digest}))
+        os.replace(tmp, cache_file)
+    except OSError:
+        pass  # a read-only home only costs a re-hash next time
+    return digest
+
+
+def tokenizer_digest(folder: Path) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for name in _TOKENIZER_FILES:
+        p = folder / name
+        if p.is_file():
+            h.update(name.encode() + b"\0" + _file_digest(p).encode())
+    return h.hexdigest()
+
+
+def config_file(folder: Path) -> dict[str, Any]:
+    """The model's config.json as written: ``config.to_dict()`` adds class defaults that move with
+    the transformers version and would make every snapshot look foreign after an upgrade."""
+    try:
+        data = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot read {folder / 'config.json'}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ModelError(f"{folder / 'config.json'} is not a JSON object")
+    return data
+
+
+def config_digest(config_dict: dict[str, Any]) -> str:
+    clean = {k: v for k, v in config_dict.items() if k not in _VOLATILE_CONFIG}
+    return hashlib.blake2b(json.dumps(clean, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
+
+
+def fingerprint_parts(folder: Path, config_dict: dict[str, Any], kv_dtype: str) -> dict[str, str]:
+    """The digests that make up a fingerprint, kept apart so a refusal can say which one differs."""
+    return {
+        "config": config_digest(config_dict),
+        "tokenizer": tokenizer_digest(folder),
+        "weights": weights_digest(folder),
+        "kv_dtype": kv_dtype,
+    }
+
+
+def fingerprint(folder: Path, config_dict: dict[str, Any], kv_dtype: str) -> str:
+    """What changes the KV: config (RoPE included), tokenizer, weights and the cache dtype."""
+    return fingerprint_of(fingerprint_parts(folder, config_dict, kv_dtype))
+
+
+def fingerprint_of(parts: dict[str, str]) -> str:
+    text = "|".join(f"{k}:{parts[k]}" for k in ("config", "tokenizer", "weights", "kv_dtype"))
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()

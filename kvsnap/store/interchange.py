@@ -1,0 +1,100 @@
+"""Moving sessions between the block store and ``.kv`` files, both ways, without re-encoding
+blocks that already have the file's codec. No torch here."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvsnap.format.meta import SnapshotHeader
+from kvsnap.format.reader import Snapshot
+from kvsnap.format.writer import encode_block, write_snapshot
+from kvsnap.store.records import ChainInfo
+from kvsnap.store.store import BlockStore, PutResult
+from kvsnap.types import EncodedBlock, Messages
+
+
+@dataclass(frozen=True, slots=True)
+class SessionExport:
+    """A stored session as a ``.kv`` file would hold it."""
+
+    header: SnapshotHeader
+    tokens: tuple[int, ...]
+    blocks: tuple[EncodedBlock, ...]
+    last_logits: np.ndarray | None
+    messages: Messages | None
+
+    @property
+    def codec(self) -> str:
+        return self.header.codec
+
+    def write(self, path: str | os.PathLike[str]) -> int:
+        """Write the ``.kv`` file atomically; returns its size."""
+        return write_snapshot(
+            path, self.header, self.tokens, self.blocks, last_logits=self.last_logits, messages=self.messages
+        )
+
+
+def session_export(store: BlockStore, name: str) -> SessionExport:
+    """Session ``name`` ready to write; ``StoreError`` if a block is gone or damaged.
+
+    Blocks stored with another codec than the session's first block are re-encoded to it (a
+    ``.kv`` file names one codec).
+    """
+    chain, session, stored, logits = store.read_session(name)
+    codec, level = stored[0].record.codec, stored[0].record.level
+    itemsize = chain.layout.itemsize
+    blocks = []
+    for block in stored:
+        r = block.record
+        if r.codec != codec:
+            raw = block.decode(itemsize)
+            blocks.append(encode_block(raw, len(r.token_ids), r.hash if r.full else None, itemsize, codec, level))
+        else:
+            blocks.append(block.encoded())
+    header = SnapshotHeader(
+        model=chain.model,
+        fingerprint=chain.fingerprint,
+        root=chain.root,
+        layout=chain.layout,
+        block_size=chain.block_size,
+        codec=codec,
+        level=level,
+        extra=dict(session.extra),
+    )
+    return SessionExport(
+        header=header,
+        tokens=session.token_ids,
+        blocks=tuple(blocks),
+        last_logits=np.frombuffer(logits, dtype="<f4").copy() if logits is not None else None,
+        messages=session.messages,
+    )
+
+
+def import_snapshot(
+    store: BlockStore, path: str | os.PathLike[str], name: str | None = None, *, pin: bool | None = None
+) -> PutResult:
+    """Add a ``.kv`` file's blocks (verified, not re-encoded) and record it as session ``name``
+    (default: the file name without ``.kv``), with its chat messages and last-position logits."""
+    with Snapshot(path) as snap:
+        meta = snap.meta
+        # Copies: the snapshot's map closes with the file.
+        blocks = [snap.encoded_block(i, bytes(snap.read_stored(i))) for i in range(len(meta.blocks))]
+        logits = snap.last_logits()
+        tokens = list(snap.tokens)
+    chain = ChainInfo(meta.root, meta.model, meta.fingerprint, meta.layout, meta.block_size)
+    return store.add_session(
+        name if name is not None else Path(path).stem,
+        chain,
+        tokens,
+        blocks,
+        codec=meta.codec,
+        level=meta.level,
+        pin=pin,
+        messages=meta.messages,
+        last_logits=logits,
+        extra=meta.extra,
+    )

@@ -1,0 +1,137 @@
+"""Plain records of the block store: what the index holds and what store calls return. No files, no torch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvsnap import hashing
+from kvsnap.errors import StoreError
+from kvsnap.format import codec as codecs
+from kvsnap.hashing import checksum
+from kvsnap.types import EncodedBlock, KVLayout
+
+
+@dataclass(frozen=True, slots=True)
+class ChainInfo:
+    """What a chain root stands for: one model, its cache layout and one block size (the namespace is hashed in)."""
+
+    root: bytes
+    model: str
+    fingerprint: str
+    layout: KVLayout
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRecord:
+    """One stored block as the index knows it; the block's bytes live in the store's block file."""
+
+    hash: bytes
+    parent: bytes  # the previous block's hash, or the chain root for a chain's first block
+    root: bytes
+    token_ids: tuple[int, ...]
+    full: bool  # False for a session's partial tail: kept for export, never matched by a lookup
+    raw_bytes: int
+    stored_bytes: int
+    checksum: str
+    codec: str
+    level: int
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRecord:
+    """A named token sequence over stored blocks. Pinned sessions keep their blocks from eviction."""
+
+    name: str
+    root: bytes
+    token_ids: tuple[int, ...]
+    hashes: tuple[bytes, ...]  # every block of the tokens, the partial tail's (if any) last
+    pinned: bool
+    messages: tuple[dict[str, str], ...] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    logits: str | None = None  # blob id of the last position's logits (float32), if kept
+
+
+@dataclass(frozen=True, slots=True)
+class StoreMatch:
+    """The longest run of full blocks of a prompt found in the store (hashes, parents and tokens checked)."""
+
+    hit_tokens: int
+    block_size: int
+    hashes: tuple[bytes, ...]
+
+    @property
+    def full_blocks(self) -> int:
+        return len(self.hashes)
+
+
+def tail_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """Key of a partial tail block: the chained hash of its fewer-than-``block_size`` tokens.
+
+    Its input is shorter than any full block's, so it never equals a full block's hash.
+    """
+    return hashing.block_hash(parent, token_ids)
+
+
+def block_keys(token_ids: Sequence[int], block_size: int, root: bytes) -> list[bytes]:
+    """Keys of every block of ``token_ids``: the full blocks' chained hashes, then the partial tail's, if any."""
+    keys = hashing.chain_hashes(token_ids, block_size, root)
+    done = len(keys) * block_size
+    if done < len(token_ids):
+        keys.append(tail_hash(keys[-1] if keys else root, token_ids[done:]))
+    return keys
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    """What a ``put``, ``add_session`` or ``import_snapshot`` left in the store."""
+
+    hashes: tuple[bytes, ...]  # the chain's blocks stored after the call, from the first
+    stored_tokens: int  # tokens those blocks cover
+    new_blocks: int  # written by this call
+    reused_blocks: int  # already stored (deduplicated)
+    evicted: tuple[bytes, ...]  # evicted to fit the budget, in order
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBlock:
+    """A block read from the store, checksum verified."""
+
+    record: BlockRecord
+    data: bytes  # the stored (encoded) bytes
+
+    def encoded(self) -> EncodedBlock:
+        """As a snapshot block (what ``Session`` keeps so its next save does not encode it again)."""
+        r = self.record
+        return EncodedBlock(len(r.token_ids), r.hash if r.full else None, r.raw_bytes, self.data, r.checksum)
+
+    def decode(self, itemsize: int, out: np.ndarray | None = None) -> bytes | bytearray | np.ndarray:
+        """The block's raw KV bytes, ``[layers, 2, kv_heads, tokens, head_dim]`` (see ``codec.decode`` for ``out``)."""
+        r = self.record
+        try:
+            return codecs.decode(self.data, r.raw_bytes, itemsize, r.codec, out)
+        except codecs.CodecError as exc:
+            raise StoreError(f"block {r.hash.hex()[:12]} does not decode ({exc})") from None
+
+
+@dataclass(frozen=True, slots=True)
+class GcReport:
+    temp_files: int  # left by crashed writers
+    orphan_files: int  # block or logits files the index does not name
+    dropped_blocks: int  # missing or damaged, with the blocks below them
+    dropped_sessions: int  # unpinned sessions none of whose blocks are left
+    evicted: int  # to fit the budget
+
+
+def check_block(i: int, block: EncodedBlock, hash_: bytes | None, raw_bytes: int) -> None:
+    """A caller's block must be the block of these tokens: a mismatch is a bug, never stored."""
+    if block.hash != hash_:
+        raise ValueError(f"block {i}: its hash does not match the token ids")
+    if block.raw_bytes != raw_bytes:
+        raise ValueError(f"block {i}: {block.raw_bytes} raw bytes, expected {raw_bytes}")
+    if checksum(block.stored) != block.checksum:
+        raise StoreError(f"block {i}: stored bytes do not match their checksum (changed since encoded?)")
