@@ -22,18 +22,50 @@ app = typer.Typer(
 )
 
 
+def _version(value: bool) -> None:
+    if value:
+        from kvsnap import __version__
+
+        typer.echo(f"kvsnap {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
 def _root(
-    debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", metavar="", help="Show full tracebacks on errors.")] = False,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", metavar="", callback=_version, is_eager=True, help="Print kvsnap's version and exit."
+        ),
+    ] = False,
 ) -> None:
     if debug:
         state["debug"] = True
 
 
-app.command("chat")(chat.chat)
-app.command("run")(run.run)
-app.command("inspect")(inspect_cmd.inspect)
-app.command("pull")(pull.pull)
+def unwrap(doc: str | None) -> str:
+    """A docstring as help text: each paragraph one line (typer keeps single line breaks inside later
+    paragraphs, which showed as stray breaks), example lines (indented) kept as they are."""
+    import inspect
+
+    paragraphs = []
+    for para in inspect.cleandoc(doc or "").split("\n\n"):
+        lines = para.splitlines()
+        paragraphs.append(para if any(line.startswith("  ") for line in lines) else " ".join(lines))
+    return "\n\n".join(paragraphs)
+
+
+commands = (
+    ("chat", chat.chat),
+    ("run", run.run),
+    ("inspect", inspect_cmd.inspect),
+    ("pull", pull.pull),
+)
+for name, command in commands:
+    app.command(name, help=unwrap(command.__doc__))(command)
+for command in store_cmd.app.registered_commands:
+    command.help = unwrap(command.help or command.callback.__doc__)
 app.add_typer(store_cmd.app, name="store")
 
 

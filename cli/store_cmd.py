@@ -7,7 +7,6 @@ stderr as one line with exit code 1 (``guarded``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -31,7 +30,7 @@ app = typer.Typer(
 )
 
 Dir = Annotated[Path, typer.Argument(metavar="DIR", help="The block store folder.", show_default=False)]
-Json = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+Json = Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object.")]
 Name = Annotated[
     str, typer.Argument(metavar="NAME", help="A session's name in the store (see `kvsnap store sessions`).")
 ]
@@ -137,16 +136,19 @@ def _count(nodes: list[dict[str, Any]]) -> int:
 @app.command("gc")
 @guarded
 def gc(store_dir: Dir, json_out: Json = False) -> None:
-    """Repair and tidy the store, and report what went.
+    """Tidy the store, and report what went.
 
-    Removes crash leftovers and files the index does not name, drops missing or damaged blocks (with those below).
+    Removes crash leftovers and block files the index does not name, drops blocks a run could not use
+    (missing, damaged, not decoding; with those below), drops unpinned sessions left with no block, then
+    evicts to the budget.
 
-    Drops unpinned sessions left with no block, then evicts to the budget.
+    Deletes only files kvsnap writes: anything else in the folder is listed, never deleted. Refused while the
+    index is missing or unreadable: `kvsnap store check --repair DIR` rebuilds it first.
     """
     store = _open(store_dir)
     report = dataclasses.asdict(store.gc())
     after = store.stats()
-    info = {**report, "blocks": after["blocks"], "bytes": after["bytes"]}
+    info = {**report, "unknown": list(report["unknown"]), "blocks": after["blocks"], "bytes": after["bytes"]}
     if json_out:
         ui.print_json(info)
         return
@@ -157,31 +159,74 @@ def gc(store_dir: Dir, json_out: Json = False) -> None:
         f"{ui.plural(report['dropped_sessions'], 'empty session')}; evicted {ui.plural(report['evicted'], 'block')}. "
         f"Store: {ui.plural(after['blocks'], 'block')}, {ui.human_bytes(after['bytes'])}."
     )
+    _left_alone(report["unknown"])
+
+
+def _left_alone(unknown: list[str] | tuple[str, ...]) -> None:
+    if unknown:
+        ui.note(f"left alone {ui.plural(len(unknown), 'file')} kvsnap did not write: {', '.join(unknown)}")
 
 
 @app.command("check")
 @guarded
-def check(store_dir: Dir, json_out: Json = False) -> None:
-    """Read the whole store and verify it: index invariants, every block's checksum, every session's logits.
+def check(
+    store_dir: Dir,
+    repair: Annotated[
+        bool,
+        typer.Option(
+            "--repair",
+            help="First rebuild the index from what the block files prove (deletes nothing), then check.",
+        ),
+    ] = False,
+    json_out: Json = False,
+) -> None:
+    """Read the whole store as runs read it: index invariants, every block read, checked and decoded, every
+    session's logits, and anything in the folder kvsnap did not write.
 
-    Exits 1 when it finds a problem (`kvsnap store gc DIR` repairs what can be repaired).
+    Exits 1 when it finds a problem. `kvsnap store gc DIR` drops what cannot be used; `--repair` rebuilds a
+    lost or damaged index from the block files (sessions, pins and the budget live only in the index).
     """
     store = _open(store_dir)
+    info: dict[str, Any] = {"path": str(store_dir)}
+    if repair:
+        report = dataclasses.asdict(store.repair())
+        info["repair"] = {**report, "unproven": list(report["unproven"]), "unknown": list(report["unknown"])}
+        if not json_out:
+            _say_repair(report)
     problems = store.check()
+    info.update(ok=not problems, problems=problems)
     if json_out:
-        ui.print_json({"path": str(store_dir), "ok": not problems, "problems": problems})
+        ui.print_json(info)
     elif not problems:
-        info = store.stats()
+        stats = store.stats()
         ui.say(
-            f"{store_dir}: sound ({ui.plural(info['blocks'], 'block')} verified, "
-            f"{ui.plural(info['sessions'], 'session')})"
+            f"{store_dir}: sound ({ui.plural(stats['blocks'], 'block')} verified, "
+            f"{ui.plural(stats['sessions'], 'session')})"
         )
     else:
         for p in problems:
             ui.say(f"- {p}")
     if problems:
-        ui.error(f"{store_dir}: {ui.plural(len(problems), 'problem')} found (kvsnap store gc repairs what it can)")
+        ui.error(
+            f"{store_dir}: {ui.plural(len(problems), 'problem')} found (kvsnap store gc drops what cannot be used; "
+            "kvsnap store check --repair rebuilds a lost or damaged index)"
+        )
         raise typer.Exit(1)
+
+
+def _say_repair(report: dict[str, Any]) -> None:
+    if report["index"] != "sound":
+        kept = f"; kept as {report['damaged_index']}" if report["damaged_index"] else ""
+        ui.say(f"index was {'missing' if report['index'] == 'missing' else 'unreadable'}{kept}")
+    ui.say(
+        f"repair: kept {ui.plural(report['kept_blocks'], 'block')}, "
+        f"recovered {ui.plural(report['recovered_blocks'], 'block')} from the block files, "
+        f"dropped {ui.plural(report['dropped_blocks'], 'missing or damaged block')}"
+    )
+    if report["index"] != "sound" and report["recovered_blocks"]:
+        ui.note("session records, pins and the budget were in the index: the recovered blocks are plain cache now")
+    for line in report["unproven"]:
+        ui.say(f"- not recovered (file kept): {line}")
 
 
 @app.command("budget")
@@ -302,21 +347,24 @@ def import_(
     store_dir: Annotated[Path, typer.Argument(metavar="DIR", help="The block store folder (created if missing).")],
     file: Annotated[Path, typer.Argument(metavar="FILE.kv", help="The .kv snapshot to add.")],
     name: Annotated[str | None, typer.Option(help="Session name (default: the file name without .kv).")] = None,
-    pin_it: Annotated[bool, typer.Option("--pin", help="Pin the session: its blocks are kept from eviction.")] = False,
+    pin_it: Annotated[
+        bool, typer.Option("--pin", metavar="", help="Pin the session: its blocks are kept from eviction.")
+    ] = False,
     json_out: Json = False,
 ) -> None:
     """Add a .kv snapshot's blocks to the store (verified, stored once) and record it as a named session."""
     from kvsnap.errors import KvsnapError
+    from kvsnap.store.folder import remove_new_store
 
     session = name if name is not None else file.stem
-    created = not store_dir.exists()
+    existed = store_dir.exists()
+    new = not existed or (store_dir.is_dir() and not any(store_dir.iterdir()))
     try:
         result = _open(store_dir, create=True).import_snapshot(file, session, pin=True if pin_it else None)
     except KvsnapError:
-        if created:
-            # Leave no empty store behind for a file that could not be read.
-            with contextlib.suppress(OSError):
-                store_dir.rmdir()
+        if new:
+            # Leave nothing behind of a store this import made for a file that could not be added.
+            remove_new_store(store_dir, keep_folder=existed)
         raise
     info = {
         "session": session,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -77,7 +78,12 @@ def assert_consistent(path: Path) -> dict:
     hashes = {b["hash"] for b in data["blocks"]}
     for b in data["blocks"]:
         file = path / "blocks" / b["hash"][:2] / f"{b['hash']}.blk"
-        stored = file.read_bytes()
+        # A block file: its stored bytes, then a trailer naming the block (JSON, its u32 length, a magic).
+        raw = file.read_bytes()
+        assert raw[-8:] == b"\x00kvsblk1", b["hash"]
+        (length,) = struct.unpack("<I", raw[-12:-8])
+        trailer, stored = json.loads(raw[-12 - length : -12]), raw[: -12 - length]
+        assert {k: trailer[k] for k in b if k != "last_use"} == {k: v for k, v in b.items() if k != "last_use"}
         assert len(stored) == b["stored_bytes"] and checksum(stored) == b["checksum"], b["hash"]
         assert b["parent"] in hashes or (b["parent"] == b["root"] and b["root"] in roots), b["hash"]
     assert BlockIndex.from_json(data).check() == []
@@ -417,7 +423,7 @@ def test_gc_removes_leftovers_and_drops_missing_blocks(tmp_path):
     stray = tmp_path / "blocks" / "ab" / ("ab" * 16 + ".blk")
     stray.parent.mkdir(exist_ok=True)
     stray.write_bytes(b"orphan")
-    (tmp_path / "blocks" / "ab" / ".x.blk.12345678.tmp").write_bytes(b"half")
+    (tmp_path / "blocks" / "ab" / f".{'ab' * 16}.blk.12345678.tmp").write_bytes(b"half")  # a crashed block write
     (tmp_path / ".index.json.abcdefgh.tmp").write_bytes(b"half")
     for h in hashing.chain_hashes([7] * 8, 4, chain.root):
         (tmp_path / "blocks" / h.hex()[:2] / f"{h.hex()}.blk").unlink()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -111,6 +112,13 @@ def store(tmp_path, tokenizer_dir) -> Path:
     return folder
 
 
+def stored_part(path: Path) -> bytes:
+    """A block file's stored bytes: what is before its trailer (JSON, u32 length, 8-byte magic)."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<I", data[-12:-8])
+    return data[: -12 - length]
+
+
 def block_file(store: Path, tokens: list[int], i: int) -> Path:
     h = hashing.chain_hashes(tokens, BS, hashing.chain_root(FINGERPRINT, NAMESPACE, BS))[i].hex()
     return store / "blocks" / h[:2] / f"{h}.blk"
@@ -151,7 +159,7 @@ def test_stats_json_fields(store):
         0,
     )
     files = list((store / "blocks").rglob("*.blk"))
-    assert len(files) == 5 and info["bytes"] == sum(f.stat().st_size for f in files)
+    assert len(files) == 5 and info["bytes"] == sum(len(stored_part(f)) for f in files)  # trailers not counted
     assert info["raw_bytes"] == (8 + 5 + 4) * LAYOUT.bytes_per_token  # the shared 8 tokens counted once
     text = ok("stats", store).stdout
     assert "5 (2 leaves)" in text and "budget" in text and "none" in text

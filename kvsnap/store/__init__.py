@@ -1,8 +1,13 @@
 """The block store: KV blocks shared by many sessions, on disk, deduplicated, under a budget. No torch.
 
 index        the bookkeeping in memory (tree, LRU clock, pins, sessions); no files
+folder       what makes a folder a store (its marker), and which names in it are kvsnap's
 files        where each file lives, checked whole-file reads and writes, the lock
+reading      reads that never follow a link, block on a FIFO or read more than expected
+blockfile    the trailer that makes each block file self-describing
+txn          one transaction's state; adding a chain's blocks
 store        ``BlockStore``: one transaction per call over the files and the index
+upkeep       check, gc and repair (rebuilding a lost index from the block files)
 interchange  sessions to and from ``.kv`` files
 """
 
@@ -13,6 +18,7 @@ from kvsnap.store.records import (
     ChainInfo,
     GcReport,
     PutResult,
+    RepairReport,
     SessionRecord,
     StoredBlock,
     StoreMatch,
@@ -27,6 +33,7 @@ __all__ = [
     "ChainInfo",
     "GcReport",
     "PutResult",
+    "RepairReport",
     "SessionRecord",
     "StoreError",
     "StoreMatch",

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvsnap.errors import StoreError
+from kvsnap.format import codec as codecs
 from kvsnap.format.meta import SnapshotHeader
 from kvsnap.format.reader import Snapshot
 from kvsnap.format.writer import encode_block, write_snapshot
@@ -74,6 +76,20 @@ def session_export(store: BlockStore, name: str) -> SessionExport:
     )
 
 
+def refuse_inexact(path: str | os.PathLike[str], codec: str, cache_dtype: str, storage_dtype: str) -> None:
+    """The store keeps exact cache-dtype blocks only: it shares them with every later run of the same
+    prefix, so a block narrowed or quantised once would make other sessions' answers drift too."""
+    why = None
+    if storage_dtype != cache_dtype:
+        why = f"its blocks are stored as {storage_dtype} (--kv-dtype), not the cache's {cache_dtype}"
+    elif codec in codecs.LOSSY_CODECS:
+        why = f"its blocks use the lossy codec {codec}"
+    if why is not None:
+        raise StoreError(
+            f"{path}: {why}; the block store keeps exact cache-dtype blocks only (resume the file with --resume)"
+        )
+
+
 def import_snapshot(
     store: BlockStore, path: str | os.PathLike[str], name: str | None = None, *, pin: bool | None = None
 ) -> PutResult:
@@ -81,6 +97,7 @@ def import_snapshot(
     (default: the file name without ``.kv``), with its chat messages and last-position logits."""
     with Snapshot(path) as snap:
         meta = snap.meta
+        refuse_inexact(path, meta.codec, meta.layout.dtype, meta.storage_layout.dtype)
         # Copies: the snapshot's map closes with the file.
         blocks = [snap.encoded_block(i, bytes(snap.read_stored(i))) for i in range(len(meta.blocks))]
         logits = snap.last_logits()

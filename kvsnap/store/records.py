@@ -63,6 +63,7 @@ class StoreMatch:
     hit_tokens: int
     block_size: int
     hashes: tuple[bytes, ...]
+    dropped: tuple[str, ...] = ()  # damaged blocks this fetch found and dropped (a miss from there on), one line each
 
     @property
     def full_blocks(self) -> int:
@@ -116,6 +117,8 @@ class StoredBlock:
             return codecs.decode(self.data, r.raw_bytes, itemsize, r.codec, out)
         except codecs.CodecError as exc:
             raise StoreError(f"block {r.hash.hex()[:12]} does not decode ({exc})") from None
+        except MemoryError:
+            raise StoreError(f"block {r.hash.hex()[:12]} declares more bytes than fit in memory") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +128,20 @@ class GcReport:
     dropped_blocks: int  # missing or damaged, with the blocks below them
     dropped_sessions: int  # unpinned sessions none of whose blocks are left
     evicted: int  # to fit the budget
+    unknown: tuple[str, ...] = ()  # things in the folder kvsnap did not write: left alone, never deleted
+
+
+@dataclass(frozen=True, slots=True)
+class RepairReport:
+    """What ``BlockStore.repair`` found and rebuilt. It deletes nothing: what it cannot prove it reports."""
+
+    index: str  # "sound", "missing", or why it could not be read
+    kept_blocks: int  # index entries whose files are sound
+    recovered_blocks: int  # block files the index did not name, proven by their trailers and added
+    dropped_blocks: int  # index entries whose files are missing or damaged (and those below them)
+    unproven: tuple[str, ...]  # block files that prove nothing (old format, damaged, no parent): kept as they are
+    unknown: tuple[str, ...]  # things in the folder kvsnap did not write: left alone
+    damaged_index: str | None = None  # where the unreadable index was kept
 
 
 def check_block(i: int, block: EncodedBlock, hash_: bytes | None, raw_bytes: int) -> None:
@@ -135,3 +152,22 @@ def check_block(i: int, block: EncodedBlock, hash_: bytes | None, raw_bytes: int
         raise ValueError(f"block {i}: {block.raw_bytes} raw bytes, expected {raw_bytes}")
     if checksum(block.stored) != block.checksum:
         raise StoreError(f"block {i}: stored bytes do not match their checksum (changed since encoded?)")
+
+
+def record_problem(record: BlockRecord, chain: ChainInfo | None) -> str | None:
+    """Why an index entry cannot describe a usable block of its chain, or None.
+
+    Cheap (no file is read), so a lookup checks it for every block it uses: an entry edited by hand
+    is a miss then, not a failure of every run when the block does not decode.
+    """
+    if chain is None:
+        return "its chain root is unknown"
+    n = len(record.token_ids)
+    if not 0 < n <= chain.block_size or record.full != (n == chain.block_size):
+        return f"{n} token ids recorded in a chain of block size {chain.block_size}"
+    if record.raw_bytes != n * chain.layout.bytes_per_token:
+        expected = n * chain.layout.bytes_per_token
+        return f"{record.raw_bytes} raw bytes recorded, but {n} tokens of this cache hold {expected}"
+    if record.codec not in codecs.CODECS:
+        return f"codec {record.codec!r} is not a lossless codec the store keeps"
+    return None

@@ -6,11 +6,14 @@ under the exclusive lock: load the index, write new files (temp file, fsync, ren
 index, and only then delete the files of evicted blocks. A crash leaves at worst unreferenced
 files, which ``gc`` removes; the index never names a file that was not written first. Every block
 read is checked against its checksum, and a damaged block is never used: ``get`` refuses it with
-``StoreError``, ``fetch`` treats it as a miss and drops it with the blocks below it.
+``StoreError``, ``fetch`` treats it as a miss and drops it with the blocks below it. A lookup that
+cannot record its use (a full disk, a read-only store) still answers. Each block file names its
+block in a trailer, so ``repair`` can rebuild a lost index (``upkeep``: check, gc, repair).
 
-The budget bounds the stored bytes of blocks. Session records (token ids, chat messages, logits)
-are small and are not evicted; blocks of pinned sessions are kept even beyond the budget.
-``.kv`` export and import live in ``interchange``. No torch here.
+The budget bounds the stored bytes of blocks (not their trailers, a few hundred bytes each).
+Session records (token ids, chat messages, logits) are small and are not evicted; blocks of
+pinned sessions are kept even beyond the budget. ``.kv`` export and import live in
+``interchange``. No torch here.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,32 +29,28 @@ import numpy as np
 
 from kvsnap.config import DEFAULT_LEVEL
 from kvsnap.errors import ConfigError, StoreError
-from kvsnap.format import codec as codecs
 from kvsnap.format.atomic import fsync_dir
-from kvsnap.store.files import StoreFiles, blob_digest, write_file
+from kvsnap.store import upkeep
+from kvsnap.store.files import BLOB_LIMIT, StoreFiles, blob_digest, has_file
+from kvsnap.store.folder import open_store, remove_own
 from kvsnap.store.index import BlockIndex
 from kvsnap.store.records import (
     BlockRecord,
     ChainInfo,
     GcReport,
     PutResult,
+    RepairReport,
     SessionRecord,
     StoredBlock,
     StoreMatch,
     block_keys,
-    check_block,
+    record_problem,
 )
+from kvsnap.store.txn import Txn, put_blocks, put_result
 from kvsnap.types import EncodedBlock
 
 if TYPE_CHECKING:
     from kvsnap.store.interchange import SessionExport
-
-
-@dataclass
-class _Txn:
-    index: BlockIndex
-    dirs: set[Path] = dataclasses.field(default_factory=set)  # folders that got new files: fsynced before the index
-    doomed: list[Path] = dataclasses.field(default_factory=list)  # deleted once the index no longer names them
 
 
 class BlockStore:
@@ -60,20 +58,14 @@ class BlockStore:
 
     Safe for several processes (and threads) at once: each call is one transaction under an
     fcntl lock on ``DIR/.lock``. ``budget_bytes``, when given, becomes the store's budget (kept in
-    its index) and is enforced at once.
+    its index) and is enforced at once. With ``create`` a new or empty folder becomes a store; a
+    folder holding anything else is refused (``StoreError``) unless it is a kvsnap store already.
     """
 
     def __init__(self, path: str | os.PathLike[str], budget_bytes: int | None = None, *, create: bool = True):
         self.path = Path(path)
         self.files = StoreFiles(self.path)
-        if not create and not self.files.index_path.is_file():
-            raise StoreError(f"{self.path}: no kvsnap block store here")
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise StoreError(f"{self.path}: cannot create the store ({exc.strerror or exc})") from None
-        if not self.path.is_dir():
-            raise StoreError(f"{self.path}: not a folder")
+        open_store(self.files, create)
         if budget_bytes is not None:
             self.set_budget(budget_bytes)
 
@@ -106,31 +98,50 @@ class BlockStore:
         """
         with self._txn(write=touch) as t:
             if touch:
+                t.optional = True
                 return t.index.lookup(prompt_ids, root, block_size)
             return t.index.match(prompt_ids, root, block_size)
 
     def fetch(self, prompt_ids: Sequence[int], root: bytes, block_size: int) -> tuple[StoreMatch, list[StoredBlock]]:
         """``lookup`` and read the matched blocks in one transaction, so no other process evicts them between.
 
-        A block that fails its checksum ends the match there (a miss costs a recompute, a damaged
-        block would cost a wrong answer) and is dropped from the store with the blocks below it.
+        A block that fails its checksum (or whose entry cannot describe a block of its chain) ends
+        the match there (a miss costs a recompute, a damaged block would cost a wrong answer) and is
+        dropped from the store with the blocks below it; ``match.dropped`` says so.
         """
         with self._txn(write=True) as t:
+            t.optional = True
             index = t.index
             found = index.match(prompt_ids, root, block_size)
-            blocks = []
+            blocks: list[StoredBlock] = []
+            dropped = []
             for h in found.hashes:
                 record = index.blocks[h]
                 try:
+                    problem = record_problem(record, index.chains.get(root))
+                    if problem is not None:
+                        raise StoreError(f"index entry is damaged ({problem})")
                     data = self.files.read_block(record)
-                except StoreError:
+                except StoreError as exc:
                     index.counters["damaged"] += 1
                     self._drop(t, h)
+                    dropped.append(f"dropped damaged block {h.hex()[:12]} from the store: {exc}")
                     break
                 blocks.append(StoredBlock(record, data))
-            match = StoreMatch(len(blocks) * block_size, block_size, tuple(b.record.hash for b in blocks))
+            hashes = tuple(b.record.hash for b in blocks)
+            match = StoreMatch(len(blocks) * block_size, block_size, hashes, tuple(dropped))
             index.record_lookup(prompt_ids, match)
             return match, blocks
+
+    def drop_damaged(self, h: bytes, reason: str) -> str:
+        """Drop block ``h`` and the blocks below it: a reader found it unusable (it did not decode).
+        Returns the line that says so. Best effort: a store that cannot be written keeps it."""
+        with self._txn(write=True) as t:
+            t.optional = True
+            if h in t.index.blocks:
+                t.index.counters["damaged"] += 1
+                self._drop(t, h)
+        return f"dropped damaged block {h.hex()[:12]} from the store: {reason}"
 
     def get(self, h: bytes) -> bytes:
         """The stored bytes of block ``h``, checksum verified; ``StoreError`` if absent or damaged."""
@@ -158,9 +169,10 @@ class BlockStore:
         block turns out to be gone, only the blocks before it are stored.
         """
         with self._txn(write=True) as t:
-            hashes, new, reused = self._put(t, chain, token_ids, blocks, codec, level, with_tail=False)
+            hashes, new, reused = put_blocks(self.files, t, chain, token_ids, blocks, codec, level, with_tail=False)
             evicted = self._evict(t)
-            return self._result(t.index, hashes, new, reused, evicted)
+            t.optional = new == 0 and not evicted  # only recency changed
+            return put_result(t.index, hashes, new, reused, evicted)
 
     def add_session(
         self,
@@ -189,16 +201,18 @@ class BlockStore:
         logits = None
         if last_logits is not None:
             logits = np.ascontiguousarray(last_logits, dtype="<f4").reshape(-1).tobytes()
+            if len(logits) > BLOB_LIMIT:
+                raise StoreError(f"last-position logits of {len(logits):,} bytes are more than the store keeps")
         with self._txn(write=True) as t:
             index = t.index
-            hashes, new, reused = self._put(t, chain, token_ids, blocks, codec, level, with_tail=True)
+            hashes, new, reused = put_blocks(self.files, t, chain, token_ids, blocks, codec, level, with_tail=True)
             old = index.sessions.get(name)
             logits_id = None
             if logits is not None:
                 logits_id = blob_digest(logits)
                 path = self.files.blob_path(logits_id)
-                if not path.is_file():
-                    self._write(t, path, logits)
+                if not has_file(path, len(logits)):
+                    self._write(t, path, [logits])
             index.set_session(
                 SessionRecord(
                     name=name,
@@ -214,7 +228,7 @@ class BlockStore:
             if old is not None:
                 self._forget_blob(t, old.logits)
             evicted = self._evict(t)
-            return self._result(index, hashes, new, reused, evicted)
+            return put_result(index, hashes, new, reused, evicted)
 
     def pin(self, name: str) -> None:
         """Keep session ``name``'s blocks from eviction (reference counted across sessions)."""
@@ -240,63 +254,32 @@ class BlockStore:
         if budget_bytes is not None and budget_bytes < 0:
             raise ConfigError(f"budget {budget_bytes} is negative")
         with self._txn(write=True) as t:
+            same = t.index.budget_bytes == budget_bytes
             t.index.budget_bytes = budget_bytes
-            return self._evict(t)
+            evicted = self._evict(t)
+            t.optional = same and not evicted
+            return evicted
 
     def evict_to_budget(self) -> list[bytes]:
         """Evict least recently used leaves (never one with a stored child or a pin) until the budget holds."""
         with self._txn(write=True) as t:
             return self._evict(t)
 
+    # -- upkeep (kvsnap.store.upkeep says what each may delete) --------------------------------------
+
     def gc(self, *, verify: bool = True) -> GcReport:
-        """Repair and tidy: remove crash leftovers and unreferenced files, drop missing (and, with ``verify``,
-        damaged) blocks with the blocks below them, drop unpinned sessions with no block left, fit the budget."""
-        with self._txn(write=True) as t:
-            index = t.index
-            temp_files = 0
-            for p in self.files.walk():
-                # Under the exclusive lock no writer is active: a temp file is a crash's leftover.
-                if p.name.startswith(".") and p.name.endswith(".tmp"):
-                    with contextlib.suppress(OSError):
-                        p.unlink()
-                        temp_files += 1
-            bad = [h for h, r in index.blocks.items() if not self.files.block_sound(r, verify)]
-            dropped = 0
-            for h in bad:
-                if h in index.blocks:
-                    dropped += len(self._drop(t, h))
-            index.counters["damaged"] += len(bad)
-            empty = [s.name for s in index.sessions.values() if not s.pinned and index.present_blocks(s) == 0]
-            for name in empty:
-                index.remove_session(name)
-            for s in list(index.sessions.values()):
-                if s.logits is not None and not self.files.blob_sound(s.logits):
-                    index.set_session(dataclasses.replace(s, logits=None))
-            evicted = self._evict(t)
-            keep = {self.files.block_path(h) for h in index.blocks} | {
-                self.files.blob_path(s.logits) for s in index.sessions.values() if s.logits is not None
-            }
-            orphans = 0
-            for p in self.files.walk():
-                if p.suffix in (".blk", ".f32") and p not in keep and p not in t.doomed:
-                    t.doomed.append(p)
-                    orphans += 1
-            return GcReport(temp_files, orphans, dropped, len(empty), len(evicted))
+        """Tidy: remove crash leftovers and files the index does not name, drop blocks a run could not
+        use (with ``verify``: read and decoded) and what is below them, drop unpinned sessions with no
+        block left, fit the budget. Refused while the index is missing or unreadable (``repair`` first)."""
+        return upkeep.gc(self, verify)
 
     def check(self) -> list[str]:
-        """Problems found reading the whole store (empty when sound): index invariants, every block's file
-        present and passing its checksum, every session's logits present."""
-        with self._txn(write=False) as t:
-            problems = t.index.check()
-            for record in t.index.blocks.values():
-                try:
-                    self.files.read_block(record)
-                except StoreError as exc:
-                    problems.append(str(exc))
-            for s in t.index.sessions.values():
-                if s.logits is not None and not self.files.blob_sound(s.logits):
-                    problems.append(f"session {s.name!r}: last-position logits are missing or damaged")
-            return problems
+        """Problems found reading the whole store as runs read it (empty when sound)."""
+        return upkeep.check(self)
+
+    def repair(self) -> RepairReport:
+        """Rebuild the index from what the block files prove; deletes nothing (see ``upkeep.repair``)."""
+        return upkeep.repair(self)
 
     def read_session(self, name: str) -> tuple[ChainInfo, SessionRecord, list[StoredBlock], bytes | None]:
         """Session ``name`` whole, in one transaction: its chain, record, every block (checked) and
@@ -339,86 +322,24 @@ class BlockStore:
     # -- internals -------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _txn(self, write: bool) -> Iterator[_Txn]:
+    def _txn(self, write: bool) -> Iterator[Txn]:
         """One transaction: the lock, a freshly loaded index and, for writers, the index written back."""
         with self.files.lock(exclusive=write):
-            t = _Txn(self.files.load_index())
+            t = Txn(self.files.load_index())
             yield t
             if write:
                 for folder in t.dirs:
                     fsync_dir(folder)
-                self.files.save_index(t.index)
+                try:
+                    self.files.save_index(t.index)
+                except StoreError:
+                    if t.optional:
+                        return  # nothing but recency is lost; the index still names every doomed file
+                    raise
                 fsync_dir(self.path)
                 # Only now that the index no longer names them.
                 for p in t.doomed:
-                    with contextlib.suppress(OSError):
-                        p.unlink()
-
-    def _put(
-        self,
-        t: _Txn,
-        chain: ChainInfo,
-        token_ids: Sequence[int],
-        blocks: Sequence[EncodedBlock | None],
-        codec: str,
-        level: int,
-        with_tail: bool,
-    ) -> tuple[list[bytes], int, int]:
-        if codec not in codecs.CODECS:
-            raise ConfigError(f"unknown codec {codec!r} (known: {', '.join(codecs.CODECS)})")
-        bs = chain.block_size
-        keys = block_keys(token_ids, bs, chain.root)
-        num_full = len(token_ids) // bs
-        if len(blocks) not in (num_full, len(keys)):
-            raise ValueError(f"{len(blocks)} blocks given for {len(token_ids)} tokens in blocks of {bs}")
-        index = t.index
-        index.add_chain(chain)
-        stored: list[bytes] = []
-        new = reused = 0
-        parent = chain.root
-        for i, (h, block) in enumerate(zip(keys, blocks)):
-            tokens = tuple(int(x) for x in token_ids[i * bs : (i + 1) * bs])
-            full = len(tokens) == bs
-            if not full and not with_tail:
-                break
-            known = index.blocks.get(h)
-            if block is not None:
-                check_block(i, block, h if full else None, len(tokens) * chain.layout.bytes_per_token)
-            if known is not None:
-                # Dedup; put() refuses a hash stored for other tokens (a collision).
-                index.put(dataclasses.replace(known, parent=parent, root=chain.root, token_ids=tokens))
-                reused += 1
-            elif block is None:
-                break  # evicted since the caller looked: keep the blocks before the gap
-            else:
-                record = BlockRecord(
-                    h,
-                    parent,
-                    chain.root,
-                    tokens,
-                    full,
-                    block.raw_bytes,
-                    len(block.stored),
-                    block.checksum,
-                    codec,
-                    level,
-                )
-                self._write(t, self.files.block_path(h), block.stored)
-                index.put(record)
-                new += 1
-            stored.append(h)
-            parent = h
-        return stored, new, reused
-
-    @staticmethod
-    def _result(index: BlockIndex, hashes: list[bytes], new: int, reused: int, evicted: list[bytes]) -> PutResult:
-        kept = []
-        for h in hashes:
-            if h not in index.blocks:
-                break
-            kept.append(h)
-        tokens = sum(len(index.blocks[h].token_ids) for h in kept)
-        return PutResult(tuple(kept), tokens, new, reused, tuple(evicted))
+                    remove_own(p)
 
     @staticmethod
     def _session(index: BlockIndex, name: str) -> SessionRecord:
@@ -427,20 +348,19 @@ class BlockStore:
             raise StoreError(f"no session {name!r} in the store")
         return session
 
-    def _evict(self, t: _Txn) -> list[bytes]:
+    def _evict(self, t: Txn) -> list[bytes]:
         evicted = t.index.evict()
         t.doomed.extend(self.files.block_path(h) for h in evicted)
         return evicted
 
-    def _drop(self, t: _Txn, h: bytes) -> list[bytes]:
+    def _drop(self, t: Txn, h: bytes) -> list[bytes]:
         dropped = t.index.remove_subtree(h)
         t.doomed.extend(self.files.block_path(x) for x in dropped)
         return dropped
 
-    def _forget_blob(self, t: _Txn, blob_id: str | None) -> None:
+    def _forget_blob(self, t: Txn, blob_id: str | None) -> None:
         if blob_id is not None and all(s.logits != blob_id for s in t.index.sessions.values()):
             t.doomed.append(self.files.blob_path(blob_id))
 
-    def _write(self, t: _Txn, path: Path, data: bytes | memoryview) -> None:
-        write_file(path, data)
-        t.dirs.add(path.parent)
+    def _write(self, t: Txn, path: Path, parts: list[bytes | memoryview]) -> None:
+        t.write(self.files, path, parts)
