@@ -1,8 +1,8 @@
 """``kvsnap run``'s jobs: one prompt or a JSONL batch of jobs, each run through a ``Session``.
 
-A job is ``{"id", "prompt" | "prompt_file" | "messages", "resume"?, "save"?, "max_new_tokens"?,
-"temperature"?, "top_p"?, "top_k"?, "seed"?, "chat"?, "system"?}``. ``prompt_file`` and ``prompt``
-together mean the file's text followed by the prompt (a long document, then a question).
+A job is ``{"id", "prompt" | "prompt_file" | "messages", "resume"?, "resume_if_exists"?, "save"?,
+"max_new_tokens"?, "temperature"?, "top_p"?, "top_k"?, "seed"?, "chat"?, "system"?}``.
+``prompt_file`` and ``prompt`` together mean the file's text followed by the prompt (a long document, then a question).
 Paths are used as given; nothing is run through a shell.
 """
 
@@ -14,15 +14,19 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
+from kvsnap import paths
 from kvsnap.config import SamplingParams
 from kvsnap.errors import ConfigError, KvsnapError
+from kvsnap.paths import read_bounded
 from kvsnap.types import chat_messages
 
 _SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed")
-_JOB_FIELDS = {"id", "prompt", "prompt_file", "messages", "resume", "save", "chat", "system", *_SAMPLING_FIELDS}
+_JOB_FIELDS = {"id", "prompt", "prompt_file", "messages", "chat", "system", "resume", "resume_if_exists", "save"}
+_JOB_FIELDS.update(_SAMPLING_FIELDS)
 MAX_PROMPT_FILE_BYTES = 64 << 20
+MAX_LINE_BYTES = 64 << 20  # one batch line (a job with its prompt inline)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,21 +40,40 @@ class Job:
     resume: str | None = None
     save: str | None = None
     overrides: tuple[tuple[str, Any], ...] = ()
+    resume_if_exists: bool = False  # a missing resume file means a cold run, not an error
 
     def params(self, defaults: SamplingParams) -> SamplingParams:
         return dataclasses.replace(defaults, **dict(self.overrides))
 
 
 def read_prompt_file(path: str) -> str:
-    p = Path(path)
+    """A prompt file's text: a regular file (a FIFO would hang, /dev/zero never end), bounded, UTF-8."""
+    data = read_bounded(path, MAX_PROMPT_FILE_BYTES, error=ConfigError, what="prompt file")
     try:
-        if p.stat().st_size > MAX_PROMPT_FILE_BYTES:
-            raise ConfigError(f"{path}: prompt file larger than {MAX_PROMPT_FILE_BYTES >> 20} MiB")
-        return p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such prompt file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read prompt file ({exc})") from None
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: prompt file is not valid UTF-8 (byte {exc.start + 1:,})") from None
+
+
+def check_text(name: str, text: str | None) -> None:
+    """Refuse text that cannot be encoded: a lone surrogate from JSON ("\\ud800") or from invalid
+    UTF-8 bytes in an argument (Python keeps them as surrogate escapes) would fail in the tokenizer."""
+    if text is None:
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"{name} is not valid UTF-8 text") from None
+
+
+def read_lines(stream: BinaryIO, limit: int = MAX_LINE_BYTES) -> Iterator[bytes]:
+    """A batch's lines as bytes, each cut at ``limit + 1`` bytes: the rest of a longer line is
+    skipped, never held (a line that never ends, as from /dev/zero, cannot fill the memory)."""
+    while line := stream.readline(limit + 1):
+        if len(line) > limit and not line.endswith(b"\n"):
+            while (rest := stream.readline(1 << 20)) and not rest.endswith(b"\n"):
+                pass
+        yield line
 
 
 def job_from_dict(raw: Any, default_id: Any) -> Job:
@@ -68,9 +91,13 @@ def job_from_dict(raw: Any, default_id: Any) -> Job:
     for key in ("prompt", "prompt_file", "resume", "save", "system"):
         if raw.get(key) is not None and not isinstance(raw[key], str):
             raise ConfigError(f'"{key}" must be a string')
+    for key in ("prompt", "system"):
+        check_text(f'"{key}"', raw.get(key))
     messages = chat_messages(raw.get("messages"))
     if messages is False:
         raise ConfigError('"messages" must be a list of {"role", "content"} objects')
+    for m in messages or ():
+        check_text('"messages"', m["role"] + m["content"])
     overrides = []
     for key in _SAMPLING_FIELDS:
         if raw.get(key) is not None:
@@ -82,8 +109,9 @@ def job_from_dict(raw: Any, default_id: Any) -> Job:
                     raise ConfigError(f'"{key}" must be a whole number')
                 value = int(value)
             overrides.append((key, float(value) if key in ("temperature", "top_p") else value))
-    if not isinstance(raw.get("chat", False), bool):
-        raise ConfigError('"chat" must be true or false')
+    for key in ("chat", "resume_if_exists"):
+        if not isinstance(raw.get(key, False), bool):
+            raise ConfigError(f'"{key}" must be true or false')
     return Job(
         id=raw.get("id", default_id),
         prompt=raw.get("prompt"),
@@ -94,16 +122,32 @@ def job_from_dict(raw: Any, default_id: Any) -> Job:
         resume=raw.get("resume"),
         save=raw.get("save"),
         overrides=tuple(overrides),
+        resume_if_exists=raw.get("resume_if_exists", False),
     )
 
 
-def parse_jobs(lines: Iterable[str], defaults: SamplingParams) -> Iterator[Job | tuple[Any, str]]:
-    """Jobs in input order; a bad line yields ``(id, error message)`` instead of stopping the batch."""
+def parse_jobs(lines: Iterable[str | bytes], defaults: SamplingParams) -> Iterator[Job | tuple[Any, str]]:
+    """Jobs in input order; a bad line yields ``(id, error message)`` instead of stopping the batch.
+
+    Lines may be bytes (see ``read_lines``): each is decoded on its own, so one line that is not
+    UTF-8 is one error row, not the end of the batch.
+    """
     for n, line in enumerate(lines, start=1):
+        if isinstance(line, bytes):
+            if len(line.rstrip(b"\r\n")) > MAX_LINE_BYTES:
+                yield (n, f"line {n}: longer than {MAX_LINE_BYTES >> 20} MiB")
+                continue
+            try:
+                line = line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield (n, f"line {n}: not valid UTF-8 (byte {exc.start + 1:,})")
+                continue
         if not line.strip():
             continue
         try:
-            raw = json.loads(line)
+            # A number JSON cannot hold (1e400, NaN, Infinity) stays the text it was written as:
+            # an id keeps its spelling and the output stays strict JSON; a setting is refused.
+            raw = json.loads(line, parse_float=_finite_or_text, parse_constant=str)
         except (ValueError, RecursionError) as exc:
             yield (n, f"line {n}: not valid JSON ({exc})")
             continue
@@ -113,6 +157,11 @@ def parse_jobs(lines: Iterable[str], defaults: SamplingParams) -> Iterator[Job |
             yield job
         except ConfigError as exc:
             yield (raw.get("id", n) if isinstance(raw, dict) else n, f"line {n}: {exc}")
+
+
+def _finite_or_text(text: str) -> float | str:
+    value = float(text)
+    return value if math.isfinite(value) else text
 
 
 def prompt_ids(session, job: Job) -> list[int]:
@@ -142,21 +191,28 @@ def run_job(
     on_mismatch: str = "error",
     store_session: str | None = None,
 ) -> dict[str, Any]:
-    """Run one job on a fresh session state; returns its result row (raises ``KvsnapError`` on failure)."""
+    """Run one job on a fresh session state; returns its result row (raises ``KvsnapError`` on failure).
+
+    With ``resume_if_exists`` a missing resume file is a cold run, and the row says ``"resume_missing": true``.
+    """
     session.reset()
     ids = prompt_ids(session, job)
-    if job.resume is not None and not Path(job.resume).exists():
-        raise ConfigError(f"{job.resume}: no such snapshot to resume")
+    resume = job.resume
+    missing = resume is not None and not Path(resume).exists()
+    if missing and not job.resume_if_exists:
+        raise ConfigError(f"{resume}: no such snapshot to resume (--resume-if-exists runs cold instead)")
     result = session.run(
         ids,
         job.params(defaults),
-        resume=job.resume,
+        resume=None if missing else resume,
         on_text=on_text,
         on_progress=on_progress,
         on_mismatch=on_mismatch,
         store_session=store_session,
     )
     row: dict[str, Any] = {"id": job.id, **result.to_dict()}
+    if missing:
+        row["resume_missing"] = True
     if job.save is not None:
         saved = session.save(job.save)
         row["saved"] = {"path": saved.path, "tokens": saved.tokens, "file_bytes": saved.file_bytes}
@@ -164,12 +220,11 @@ def run_job(
 
 
 def check_save_target(path: str | Path | None) -> None:
-    """Fail before any work if a save could not even start (its folder is missing)."""
+    """Fail before any work if a save could not even start: its folder is missing, or the target is a
+    symlink or a special file, which a save refuses (see ``kvsnap.paths.check_save_target``)."""
     if path is None:
         return
-    folder = Path(path).expanduser().resolve().parent
-    if not folder.is_dir():
-        raise ConfigError(f"{path}: cannot save there, folder {folder} does not exist")
+    paths.check_save_target(Path(path).expanduser(), error=ConfigError)
 
 
 def error_row(job_id: Any, exc: KvsnapError | str) -> dict[str, Any]:

@@ -19,26 +19,33 @@ def inspect(
     prompt: Annotated[str | None, typer.Option(help="Show what this raw prompt would reuse.")] = None,
     prompt_file: Annotated[Path | None, typer.Option(help="Read the prompt from a file (then --prompt).")] = None,
     chunk_size: Annotated[int, typer.Option(min=1, help="Chunk size for the suffix plan.")] = DEFAULT_CHUNK_SIZE,
-    verify: Annotated[bool, typer.Option("--verify", help="Check every block's checksum and decoding.")] = False,
+    verify: Annotated[
+        bool, typer.Option("--verify", metavar="", help="Check every block's checksum and decoding.")
+    ] = False,
     json_out: Json = False,
 ) -> None:
     """Show a snapshot: model, tokens, blocks, sizes, codec, chat turns; with a prompt, its hit stats."""
-    from cli.batch import read_prompt_file
+    from cli.batch import check_text, read_prompt_file
     from kvsnap import describe
     from kvsnap.errors import ConfigError
     from kvsnap.format.reader import Snapshot
 
+    check_text("--prompt", prompt)
     with Snapshot(file) as snap:
         model = snap.meta.model
         hint = snap.meta.extra.get("model_folder")
-    tokenizer = describe.find_tokenizer(model, hint if isinstance(hint, str) else None)
+    tokenizer, why = describe.locate_tokenizer(model, hint if isinstance(hint, str) else None)
     prompt_ids = None
     if prompt is not None or prompt_file is not None:
+        if why is not None:
+            raise ConfigError(f"{why}; the prompt cannot be tokenized without it")
         if tokenizer is None:
             raise ConfigError(f"the tokenizer of {model} is not on this machine (run: kvsnap pull {model})")
         text = (read_prompt_file(str(prompt_file)) if prompt_file else "") + (prompt or "")
         prompt_ids = tokenizer.encode(text)
     info = describe.describe(file, prompt_ids=prompt_ids, chunk_size=chunk_size, verify=verify, tokenizer=tokenizer)
+    if why is not None:
+        info["no_preview"] = f"{why}; no text preview"
     if json_out:
         ui.print_json(info)
     else:

@@ -1,8 +1,9 @@
 """What a snapshot holds and what a prompt would reuse from it, without loading the model.
 
-Used by ``kvsnap inspect``. Imports no torch: the tokenizer comes from the model folder's
+Used by ``kvsnap inspect``. Imports no torch, ever: the tokenizer comes from the model folder's
 ``tokenizer.json`` through the ``tokenizers`` library (the same backend transformers' fast
-tokenizers run), falling back to transformers only when a model has no such file.
+tokenizers run). A model without that file gets no text preview rather than a transformers
+import (hundreds of MB and seconds for a look at a file).
 """
 
 from __future__ import annotations
@@ -12,44 +13,41 @@ from typing import Any
 
 from kvsnap import prefix
 from kvsnap.config import DEFAULT_CHUNK_SIZE, DEFAULT_MODEL
+from kvsnap.format.meta import _one_line
 from kvsnap.format.reader import Snapshot
 from kvsnap.models.resolve import kvsnap_home
 
+NO_TOKENIZER_JSON = "tokenizer.json not found"
+
 
 class LightTokenizer:
-    """Encode/decode with a model's tokenizer, cheaply."""
+    """Encode/decode with a model's ``tokenizer.json``, cheaply."""
 
     def __init__(self, folder: Path):
+        from tokenizers import Tokenizer
+
         self.folder = folder
-        path = folder / "tokenizer.json"
-        if path.is_file():
-            from tokenizers import Tokenizer
-
-            self._fast = Tokenizer.from_file(str(path))
-            self._hf = None
-        else:
-            self._fast = None
-            from kvsnap.models.load import load_tokenizer
-
-            self._hf = load_tokenizer(folder)
+        self._fast = Tokenizer.from_file(str(folder / "tokenizer.json"))
 
     def encode(self, text: str) -> list[int]:
-        if self._fast is not None:
-            return list(self._fast.encode(text).ids)
-        return list(self._hf(text)["input_ids"])
+        return list(self._fast.encode(text).ids)
 
     def decode(self, ids: list[int]) -> str:
-        if self._fast is not None:
-            return self._fast.decode(ids, skip_special_tokens=False)
-        return self._hf.decode(ids, skip_special_tokens=False)
+        return self._fast.decode(ids, skip_special_tokens=False)
 
 
 def find_tokenizer(model: str, folder_hint: str | None = None) -> LightTokenizer | None:
-    """The tokenizer of a snapshot's model if it is on this machine (never converts or downloads).
+    """The tokenizer of a snapshot's model if it is on this machine (never converts or downloads)."""
+    return locate_tokenizer(model, folder_hint)[0]
+
+
+def locate_tokenizer(model: str, folder_hint: str | None = None) -> tuple[LightTokenizer | None, str | None]:
+    """The tokenizer of a snapshot's model, or ``None`` and why when its folder is here without one.
 
     ``model`` is the name the snapshot was made with (the default model's alias, a folder, a
     .gguf file, a hub id); ``folder_hint`` the model folder the writer loaded, which snapshots
-    record, so models known by another name are found too.
+    record, so models known by another name are found too. The reason is ``None`` when no model
+    folder is found at all.
     """
     candidates = []
     if model == DEFAULT_MODEL:
@@ -58,14 +56,18 @@ def find_tokenizer(model: str, folder_hint: str | None = None) -> LightTokenizer
         candidates.append(Path(model).expanduser())
     if folder_hint:
         candidates.append(Path(folder_hint))
+    why = None
     for folder in candidates:
         if not (folder / "config.json").is_file():
             continue
-        try:
-            return LightTokenizer(folder)
-        except Exception:
+        if not (folder / "tokenizer.json").is_file():  # is_file: a FIFO there would hang the load
+            why = f"{NO_TOKENIZER_JSON} in {folder}"
             continue
-    return None
+        try:
+            return LightTokenizer(folder), None
+        except Exception as exc:  # the tokenizers library raises its own types for a damaged file
+            why = f"cannot load {folder / 'tokenizer.json'} ({_one_line(exc)})"
+    return None, why
 
 
 def describe(

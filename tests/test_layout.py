@@ -19,6 +19,7 @@ TORCH_FREE = [
     "kvsnap.hashing",
     "kvsnap.prefix",
     "kvsnap.errors",
+    "kvsnap.paths",
     "kvsnap.describe",
     "kvsnap.format",
     "kvsnap.format.codec",

@@ -3,35 +3,49 @@
 Used for ``.kv`` snapshots and the block store. Writers into one folder take turns under an
 advisory ``fcntl`` lock on the folder; a temp file a killed writer left is removed by the next
 write of the same target.
+
+A snapshot holds the conversation in plain text, so it is created 0600 (like shell history); a
+file it replaces keeps its mode only as far as that is no wider. The path is used as given: a
+symlink or a special file (FIFO, device, ...) at the target is refused, never written through or
+replaced.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
+import stat
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from kvsnap.errors import SaveError
+from kvsnap.paths import check_save_target
+
+# How long a save waits for another writer's folder lock before going on without it (a writer that
+# hangs, or anyone else holding a lock on a shared folder such as /tmp, must not hang every save).
+LOCK_WAIT_S = 10.0
 
 
 def atomic_write(path: Path, parts: list[bytes | memoryview]) -> int:
-    # Write through a symlink to the file it names, as an in-place writer would.
-    path = Path(os.path.realpath(path))
+    path = Path(path)
     folder = path.parent
     try:
+        if not folder.is_dir():
+            raise SaveError(f"{path}: cannot save there, folder {folder} does not exist")
         # Writers into one folder take turns; locking the folder leaves no sidecar file behind.
-        with locked(folder, best_effort=True):
-            # Under the lock no other writer is active: any temp file of this target is a crash's leftover.
-            remove_stale_temps(path)
+        with locked(folder, best_effort=True, timeout=LOCK_WAIT_S) as held:
+            check_save_target(path, error=SaveError)
+            if held:
+                # Under the lock no other writer is active: any temp file of this target is a crash's leftover.
+                remove_stale_temps(path)
             try:
-                mode = os.stat(path).st_mode & 0o777
-            except OSError:
-                umask = os.umask(0)
-                os.umask(umask)
-                mode = 0o666 & ~umask
+                mode = os.lstat(path).st_mode & 0o600
+            except FileNotFoundError:
+                mode = 0o600
             size = replace_whole(path, parts, mode)
             fsync_dir(folder)
     except SaveError:
@@ -82,36 +96,63 @@ def fsync_dir(folder: Path) -> None:
 
 
 @contextlib.contextmanager
-def locked(path: Path, *, exclusive: bool = True, best_effort: bool = False) -> Iterator[None]:
+def locked(
+    path: Path, *, exclusive: bool = True, best_effort: bool = False, timeout: float | None = None
+) -> Iterator[bool]:
     """An advisory ``fcntl`` lock on ``path``: a folder, or a lock file (created if missing).
 
-    Exclusive for writers, shared for readers. With ``best_effort`` a path that cannot be opened
-    is not locked (atomic renames still keep every file whole); otherwise its ``OSError`` is raised.
-    Without fcntl (Windows) nothing is locked.
+    Exclusive for writers, shared for readers; yields whether the lock is held. With ``best_effort``
+    a path that cannot be opened or locked within ``timeout`` seconds is not locked (atomic renames
+    still keep every file whole); otherwise the ``OSError`` is raised. A lock file that is a symlink
+    or not a regular file is never opened through (a FIFO would block the open). Without fcntl
+    (Windows) nothing is locked.
     """
     try:
         import fcntl
     except ImportError:
-        yield
+        yield False
         return
     try:
-        if os.path.isdir(path):
-            fd = os.open(path, os.O_RDONLY)
-        else:
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError:
-                fd = os.open(path, os.O_RDONLY)
+        fd = _open_lock(path)
     except OSError:
         if not best_effort:
             raise
-        yield
+        yield False
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        yield
+        op = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        if timeout is None:
+            fcntl.flock(fd, op)
+        else:
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    fcntl.flock(fd, op | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        if not best_effort:
+                            raise
+                        yield False
+                        return
+                    time.sleep(0.05)
+        yield True
     finally:
         os.close(fd)  # closing releases the lock
+
+
+def _open_lock(path: Path) -> int:
+    flags = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    if os.path.isdir(path):
+        return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o644)
+    except OSError:  # a read-only folder or file: a shared lock still works on a read-only open
+        fd = os.open(path, os.O_RDONLY | flags)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, f"{path}: lock file is not a regular file")
+    return fd
 
 
 def remove_stale_temps(path: Path) -> list[Path]:

@@ -55,7 +55,7 @@ def _decompressor() -> zstd.ZstdDecompressor:
     return _local.decompressor
 
 
-def _zstd_decode(data: bytes | memoryview, size: int) -> bytes:
+def _check_declared(data: bytes | memoryview, size: int) -> None:
     try:
         declared = zstd.frame_content_size(data)
     except zstd.ZstdError as exc:
@@ -64,6 +64,10 @@ def _zstd_decode(data: bytes | memoryview, size: int) -> bytes:
         raise CodecError(f"zstd frame declares {declared} bytes, expected {size}")
     if size > len(data) * ZSTD_MAX_RATIO:
         raise CodecError(f"zstd frame of {len(data)} bytes cannot hold {size} bytes")
+
+
+def _zstd_decode(data: bytes | memoryview, size: int) -> bytes:
+    _check_declared(data, size)
     try:
         # Bytes after the frame are damage too, not something to skip.
         out = _decompressor().decompress(data, max_output_size=size, allow_extra_data=False)
@@ -217,6 +221,26 @@ def _decode_int8(stored: bytes | memoryview, raw_size: int, dtype: str, out: np.
 def _decode_shuffled(
     stored: bytes | memoryview, raw_size: int, itemsize: int, out: np.ndarray | None = None
 ) -> bytearray | np.ndarray:
+    n, planes = _planes(stored, raw_size, itemsize)
+    result: bytearray | np.ndarray
+    if out is None:
+        result = bytearray(raw_size)
+        flat = np.frombuffer(result, dtype=np.uint8)
+    else:
+        result = flat = out[:raw_size]
+    # [n, itemsize] view of the output: plane i fills column i.
+    grid = flat.reshape(n, itemsize)
+    for i, (mode, payload) in enumerate(planes):
+        if mode == _PLANE_RAW:
+            plane = np.frombuffer(payload, dtype=np.uint8)
+        else:
+            plane = np.frombuffer(_zstd_decode(payload, n), dtype=np.uint8)
+        grid[:, i] = plane
+    return result
+
+
+def _planes(stored: bytes | memoryview, raw_size: int, itemsize: int) -> tuple[int, list[tuple[int, memoryview]]]:
+    """The elements per plane and each plane's (mode, stored bytes), every header checked."""
     view = memoryview(stored).cast("B")
     if raw_size % itemsize:
         raise CodecError(f"declared size {raw_size} is not a multiple of {itemsize}")
@@ -245,18 +269,70 @@ def _decode_shuffled(
         pos += length
     if pos != len(view):
         raise CodecError(f"{len(view) - pos} trailing bytes after the byte planes")
-    result: bytearray | np.ndarray
-    if out is None:
-        result = bytearray(raw_size)
-        flat = np.frombuffer(result, dtype=np.uint8)
+    return n, planes
+
+
+# -- checking without decoding (verify) --------------------------------------------------------
+
+# A block may declare up to a gigabyte that a few kilobytes of zstd decode to: checking one streams
+# its frames through a buffer of this size and keeps nothing, so its memory does not grow with it.
+_CHECK_CHUNK = 1 << 20
+
+
+def check(stored: bytes | memoryview, raw_size: int, itemsize: int, codec: str, dtype: str | None = None) -> None:
+    """Raise ``CodecError`` exactly when ``decode`` would, without building the decoded bytes."""
+    if codec == "raw":
+        if len(stored) != raw_size:
+            raise CodecError(f"raw block holds {len(stored)} bytes, expected {raw_size}")
+    elif codec == "zstd":
+        _zstd_check(stored, raw_size)
+    elif codec == "shuffle-zstd":
+        n, planes = _planes(stored, raw_size, itemsize)
+        for mode, payload in planes:
+            if mode == _PLANE_ZSTD:
+                _zstd_check(payload, n)
+    elif codec == "int8-zstd":
+        size = _FLOAT_ITEMSIZE[_float_dtype(dtype, itemsize)]
+        if raw_size % size:
+            raise CodecError(f"declared size {raw_size} is not a multiple of {size}")
+        n = raw_size // size
+        _zstd_check(stored, -(-n // INT8_GROUP) * 4 + n)
     else:
-        result = flat = out[:raw_size]
-    # [n, itemsize] view of the output: plane i fills column i.
-    grid = flat.reshape(n, itemsize)
-    for i, (mode, payload) in enumerate(planes):
-        if mode == _PLANE_RAW:
-            plane = np.frombuffer(payload, dtype=np.uint8)
-        else:
-            plane = np.frombuffer(_zstd_decode(payload, n), dtype=np.uint8)
-        grid[:, i] = plane
-    return result
+        raise CodecError(f"unknown codec {codec!r}")
+
+
+def _zstd_check(data: bytes | memoryview, size: int) -> None:
+    _check_declared(data, size)
+    end = _frame_end(memoryview(data).cast("B"))
+    if end != len(data):
+        raise CodecError(f"zstd: {len(data) - end} bytes after the frame")
+    buf = bytearray(max(1, min(size, _CHECK_CHUNK)))
+    got = 0
+    try:
+        with _decompressor().stream_reader(data) as reader:
+            while got <= size and (k := reader.readinto(buf)):
+                got += k
+    except zstd.ZstdError as exc:
+        raise CodecError(f"zstd: {exc}") from None
+    if got != size:
+        raise CodecError(f"zstd produced {got if got <= size else 'more than ' + str(size)} bytes, expected {size}")
+
+
+def _frame_end(view: memoryview) -> int:
+    """Where the zstd frame at the start of ``view`` ends, from its block headers (RFC 8878 3.1.1)."""
+    try:
+        pos = zstd.frame_header_size(view)
+        has_checksum = zstd.get_frame_parameters(view).has_checksum
+    except zstd.ZstdError as exc:
+        raise CodecError(f"bad zstd frame: {exc}") from None
+    while True:
+        if pos + 3 > len(view):
+            raise CodecError("zstd frame is truncated")
+        header = view[pos] | view[pos + 1] << 8 | view[pos + 2] << 16
+        kind = (header >> 1) & 3
+        if kind == 3:
+            raise CodecError("zstd frame holds a block of the reserved type")
+        pos += 3 + (1 if kind == 1 else header >> 3)  # an RLE block stores one byte
+        if header & 1:  # the last block
+            break
+    return pos + 4 * has_checksum

@@ -26,6 +26,7 @@ from kvsnap.format.meta import _one_line, parse_meta
 from kvsnap.format.pool import DECODE_WORKERS, Scratch, map_in_order
 from kvsnap.format.writer import block_name
 from kvsnap.hashing import checksum
+from kvsnap.paths import open_regular
 from kvsnap.types import EncodedBlock, KVLayout
 
 # ---------------------------------------------------------------------------------------------
@@ -69,24 +70,27 @@ class Snapshot:
 
     def _open_once(self) -> os.stat_result:
         """Map the file and validate it with safetensors; returns the mapped file's identity."""
-        try:
-            with open(self.path, "rb") as fh:
+        # Only a regular file: a FIFO would hang the open, a device never end the read.
+        with open_regular(self.path, error=SnapshotError) as fh:
+            try:
                 st = os.fstat(fh.fileno())
                 if st.st_size < 8:
                     raise SnapshotError(f"{self.path}: not a kvsnap snapshot (file is {st.st_size} bytes, truncated?)")
                 self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        except FileNotFoundError:
-            raise SnapshotError(f"{self.path}: no such file") from None
-        except SnapshotError:
-            raise
-        except (OSError, ValueError) as exc:
-            raise SnapshotError(f"{self.path}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
-        self.file_bytes = st.st_size
-        try:
-            self._file = safe_open(str(self.path), framework="numpy")
-        except Exception as exc:  # safetensors raises its own error types for every header problem
-            self.close()
-            raise SnapshotError(f"{self.path}: not a valid safetensors file ({_one_line(exc)}); truncated?") from None
+            except SnapshotError:
+                raise
+            except (OSError, ValueError) as exc:
+                raise SnapshotError(f"{self.path}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
+            self.file_bytes = st.st_size
+            try:
+                # safetensors opens by name: give it the name of the file already open and checked,
+                # so it cannot be handed another file (or a FIFO) renamed over the path meanwhile.
+                self._file = safe_open(_name_of(fh.fileno(), self.path), framework="numpy")
+            except Exception as exc:  # safetensors raises its own error types for every header problem
+                self.close()
+                raise SnapshotError(
+                    f"{self.path}: not a valid safetensors file ({_one_line(exc)}); truncated?"
+                ) from None
         try:
             self._locate()
         except SnapshotError as exc:
@@ -235,13 +239,20 @@ class Snapshot:
         return data
 
     def verify(self) -> list[str]:
-        """Check every block's checksum and decoding; returns the problems found (empty when sound)."""
+        """Check every block's checksum and decoding; returns the problems found (empty when sound).
+
+        Blocks are checked one at a time and their decoded bytes streamed, not kept: a few kilobytes
+        of zstd may declare a gigabyte, and checking them must not allocate it.
+        """
         problems = []
+        layout = self.meta.storage_layout
         for b in self.meta.blocks:
             try:
-                self.decode_block(b.index, self.read_stored(b.index))
+                codecs.check(self.read_stored(b.index), b.raw_bytes, layout.itemsize, self.meta.codec, layout.dtype)
             except SnapshotError as exc:
                 problems.append(str(exc))
+            except codecs.CodecError as exc:
+                problems.append(f"{self.path}: block {b.index} does not decode ({exc})")
         try:
             self.last_logits()
         except SnapshotError as exc:
@@ -261,7 +272,8 @@ class Snapshot:
         m = self.meta
         if m.layout != layout:
             raise ForeignSnapshotError(
-                f"{self.path}: written for a cache of {m.layout.describe()}, this model has {layout.describe()}"
+                f"{self.path}: written for {m.model} (cache of {m.layout.describe()}), "
+                f"not for {model} (cache of {layout.describe()})"
             )
         if m.fingerprint != fingerprint:
             ours = fingerprint_parts or {}
@@ -283,6 +295,12 @@ class Snapshot:
             )
         if m.root != root:
             raise ForeignSnapshotError(f"{self.path}: written with another namespace or block size ({m.block_size})")
+
+
+def _name_of(fd: int, path: Path) -> str:
+    """A name that opens the same file as ``fd``: /proc/self/fd/N where there is one, else the path."""
+    proc = f"/proc/self/fd/{fd}"
+    return proc if os.path.exists(proc) else str(path)
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvsnap.errors import ModelError
 from kvsnap.models.resolve import kvsnap_home
+from kvsnap.paths import open_regular
 
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -38,18 +39,24 @@ _VOLATILE_CONFIG = {
 
 def _file_digest(path: Path) -> str:
     h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
+    with open_regular(path, error=ModelError, what="model file") as f:  # a FIFO would hang the read
         while chunk := f.read(1 << 22):
             h.update(chunk)
     return h.hexdigest()
 
 
 def weights_digest(folder: Path) -> str:
-    """Digest of the weight files; cached beside them (or under $KVSNAP_HOME) by size and mtime."""
+    """Digest of the weight files; cached under $KVSNAP_HOME, keyed by each file's identity and times.
+
+    Size and mtime alone are fooled by an in-place rewrite that restores the mtime (``touch -r``,
+    ``cp -p``, ``os.utime``), and a stale digest would let a snapshot of the old weights resume
+    against the new ones. The key adds the inode and the ctime, which every write moves and no
+    user can set back.
+    """
     files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".gguf"))
     if not files:
         raise ModelError(f"{folder}: no weight files")
-    stamp = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+    stamp = [[p.name, *_stamp(p.stat())] for p in files]
     key = hashlib.blake2b(str(folder.resolve()).encode(), digest_size=8).hexdigest()
     cache_file = kvsnap_home() / "digests" / f"{key}.json"
     try:
@@ -70,6 +77,10 @@ def weights_digest(folder: Path) -> str:
     except OSError:
         pass  # a read-only home only costs a re-hash next time
     return digest
+
+
+def _stamp(st: os.stat_result) -> list[int]:
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def tokenizer_digest(folder: Path) -> str:
