@@ -47,9 +47,17 @@ def open_store(path, budget: str | None):
             raise ConfigError("--store-budget needs --store DIR")
         return None
     from cli.options import parse_size
-    from kvsnap.store import BlockStore
+    from kvsnap.store import BlockStore, StoreError
 
-    return BlockStore(path, budget_bytes=parse_size(budget) if budget is not None else None)
+    budget_bytes = parse_size(budget) if budget is not None else None
+    store = BlockStore(path)  # a folder that is not a store (a mistyped path) is an error, as it should be
+    if budget_bytes is not None:
+        try:
+            store.set_budget(budget_bytes)
+        except StoreError as exc:
+            # A store that cannot be written (a full disk) still serves what it holds: runs warn, not fail.
+            ui.note(f"warning: --store-budget not applied ({exc})")
+    return store
 
 
 def open_session(opts: SessionOptions, session_config: SessionConfig | None = None):
@@ -58,4 +66,5 @@ def open_session(opts: SessionOptions, session_config: SessionConfig | None = No
 
     session_config = session_config or opts.session_config()
     block_store = open_store(opts.store, opts.store_budget)
-    return Session(ui.load_model(opts.model, opts.device, opts.dtype), session_config, store=block_store)
+    lm = ui.load_model(opts.model, opts.device, opts.dtype, check_layout=session_config.check_layout)
+    return Session(lm, session_config, store=block_store)

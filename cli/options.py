@@ -6,6 +6,7 @@ adds them to a command and hands them over as one ``SessionOptions`` value.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import re
@@ -43,8 +44,17 @@ Codec = Annotated[
 ]
 Stop = Annotated[list[str] | None, typer.Option("--stop", help="Stop generating at this string (repeatable).")]
 Resume = Annotated[Path | None, typer.Option(help="Snapshot (.kv) to reuse as the prefix cache.")]
+ResumeIfExists = Annotated[
+    bool,
+    typer.Option(
+        "--resume-if-exists",
+        metavar="",
+        help="A missing --resume file (or a batch job's) means a cold run with a note, not an error, as in "
+        "chat: scripts can resume and save the same file from the first run on.",
+    ),
+]
 Save = Annotated[Path | None, typer.Option(help="Write the session to this .kv file after the run.")]
-Json = Annotated[bool, typer.Option("--json", help="Print one JSON object (one line per job in a batch).")]
+Json = Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object (one line per job in a batch).")]
 Namespace = Annotated[
     str,
     typer.Option(
@@ -84,9 +94,9 @@ class SessionOptions:
     device: str
     dtype: str
     max_new_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
+    temperature: float | None  # None: the model's recommendation, else ``defaults``
+    top_p: float | None
+    top_k: int | None
     seed: int | None
     chunk_size: int
     block_size: int
@@ -97,16 +107,18 @@ class SessionOptions:
     store_budget: str | None
     store_session: str | None
 
-    def sampling(self, stop: tuple[str, ...] = ()) -> SamplingParams:
-        """The generation flags, checked (``ConfigError``)."""
-        return SamplingParams(
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            stop=stop,
-        )
+    defaults: SamplingParams = config.RUN_SAMPLING  # what an unset sampling flag falls back to
+
+    def sampling(self, stop: tuple[str, ...] = (), model_defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """The generation flags, checked (``ConfigError``). An unset temperature, top-p or top-k takes
+        the model's recommendation (``model_defaults``, from its generation_config.json), else ours."""
+        chosen = {}
+        for key in ("temperature", "top_p", "top_k"):
+            value = getattr(self, key)
+            if value is None:
+                value = (model_defaults or {}).get(key, getattr(self.defaults, key))
+            chosen[key] = value
+        return SamplingParams(max_new_tokens=self.max_new_tokens, seed=self.seed, stop=stop, **chosen)
 
     def session_config(self) -> config.SessionConfig:
         """The session flags, checked before any model is loaded (``ConfigError``)."""
@@ -120,14 +132,30 @@ class SessionOptions:
         return cfg.check(with_store=self.store is not None)
 
 
-def _shared(sampling: SamplingParams) -> list[tuple[str, Any, Any]]:
+def _model_default(flag: Any, fallback: float) -> Any:
+    """``flag`` made optional: unset means the model's generation_config.json value, else ``fallback``."""
+    base, info = flag.__origin__, flag.__metadata__[0]
+    info = copy.copy(info)
+    info.help = f"{info.help} Default: the model's generation_config.json, else {fallback:g}."
+    return Annotated[base | None, info]
+
+
+def _shared(sampling: SamplingParams, model_defaults: bool) -> list[tuple[str, Any, Any]]:
     """(name, annotation, default) of every shared flag, in the order ``--help`` lists them."""
+    if model_defaults:
+        temperature = ("temperature", _model_default(Temperature, sampling.temperature), None)
+        top_p = ("top_p", _model_default(TopP, sampling.top_p), None)
+        top_k = ("top_k", _model_default(TopK, sampling.top_k), None)
+    else:
+        temperature = ("temperature", Temperature, sampling.temperature)
+        top_p = ("top_p", TopP, sampling.top_p)
+        top_k = ("top_k", TopK, sampling.top_k)
     return [
         ("model", Model, config.DEFAULT_MODEL),
         ("max_new_tokens", MaxNewTokens, sampling.max_new_tokens),
-        ("temperature", Temperature, sampling.temperature),
-        ("top_p", TopP, sampling.top_p),
-        ("top_k", TopK, sampling.top_k),
+        temperature,
+        top_p,
+        top_k,
         ("seed", Seed, None),
         ("chunk_size", ChunkSize, config.DEFAULT_CHUNK_SIZE),
         ("namespace", Namespace, ""),
@@ -142,12 +170,15 @@ def _shared(sampling: SamplingParams) -> list[tuple[str, Any, Any]]:
     ]
 
 
-def session_options(sampling: SamplingParams) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Add the shared flags to a command (generation defaults from ``sampling``); the command gets them
+def session_options(
+    sampling: SamplingParams, *, model_defaults: bool = False
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Add the shared flags to a command (generation defaults from ``sampling``; with ``model_defaults``
+    an unset temperature/top-p/top-k takes the model's own recommendation first); the command gets them
     as ``opts: SessionOptions`` instead of one parameter each."""
-    shared = _shared(sampling)
+    shared = _shared(sampling, model_defaults)
     names = {name for name, _, _ in shared}
-    assert names == {f.name for f in fields(SessionOptions)}
+    assert names == {f.name for f in fields(SessionOptions)} - {"defaults"}
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         sig = inspect.signature(fn, eval_str=True)
@@ -156,7 +187,7 @@ def session_options(sampling: SamplingParams) -> Callable[[Callable[..., Any]], 
 
         @functools.wraps(fn)
         def wrapper(**kwargs: Any) -> Any:
-            opts = SessionOptions(**{name: kwargs.pop(name) for name in names})
+            opts = SessionOptions(**{name: kwargs.pop(name) for name in names}, defaults=sampling)
             return fn(**kwargs, opts=opts)
 
         own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]

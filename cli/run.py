@@ -22,13 +22,14 @@ def run(
         Path | None, typer.Option(help="Read the prompt from a file; with --prompt, the file's text comes first.")
     ] = None,
     chat: Annotated[
-        bool, typer.Option("--chat", help="Wrap the prompt as a user message in the chat template.")
+        bool, typer.Option("--chat", metavar="", help="Wrap the prompt as a user message in the chat template.")
     ] = False,
     system: Annotated[str | None, typer.Option(help="System message (with --chat).")] = None,
     batch: Annotated[
         Path | None, typer.Option(help="JSONL jobs, one per line; '-' reads stdin. Results: one JSON line each.")
     ] = None,
     resume: o.Resume = None,
+    resume_if_exists: o.ResumeIfExists = False,
     on_mismatch: Annotated[
         str, typer.Option(help="When --resume's snapshot is refused: error (default) or recompute from scratch.")
     ] = "error",
@@ -45,10 +46,14 @@ def run(
       kvsnap run --prompt-file doc.txt --max-new-tokens 0 --save doc.kv
 
       kvsnap run --prompt-file doc.txt --prompt "Q: who wrote it? A:" --resume doc.kv --json
+
+    The prompt is raw text: special-token text in it (<|im_end|>) is the control token. With --chat,
+    --system or a job's "messages", special-token text is kept as plain text.
     """
-    from cli.batch import Job, check_save_target, error_row, parse_jobs, run_job
+    from cli.batch import Job, check_save_target, check_text, error_row, parse_jobs, read_lines, run_job
     from kvsnap.config import ON_MISMATCH, check_choice
     from kvsnap.errors import ConfigError, KvsnapError
+    from kvsnap.paths import open_regular
 
     if batch is None and prompt is None and prompt_file is None:
         raise ConfigError("give --prompt, --prompt-file or --batch (see kvsnap run --help)")
@@ -57,13 +62,24 @@ def run(
     if batch is not None and (save is not None or chat or system is not None):
         raise ConfigError('with --batch, give "save", "chat" and "system" per job in the JSONL file')
     check_choice("--on-mismatch", on_mismatch, ON_MISMATCH)
+    if resume_if_exists and resume is None and batch is None:
+        raise ConfigError('--resume-if-exists needs --resume FILE (or --batch jobs with "resume")')
     session_config = opts.session_config()
     check_save_target(save)
+    for flag, text in (("--prompt", prompt), ("--system", system), ("--namespace", opts.namespace)):
+        check_text(flag, text)  # before the model loads, not in the tokenizer after it
     if opts.store_session is not None and (opts.store is None or batch is not None):
         raise ConfigError("--store-session needs --store DIR and a single prompt")
     defaults = opts.sampling(stop=tuple(stop or ()))
+    # Files that are not there are reported now, before the model loads (seconds), not after it.
+    if prompt_file is not None:
+        with open_regular(prompt_file, error=ConfigError, what="prompt file"):
+            pass
+    if resume is not None and batch is None and not resume_if_exists and not resume.exists():
+        raise ConfigError(f"{resume}: no such snapshot to resume (--resume-if-exists runs from scratch instead)")
     if batch is not None:
-        lines = sys.stdin if str(batch) == "-" else _open_batch(batch)
+        # Bytes, line by line: each line is decoded on its own, so one bad line is one error row.
+        lines = read_lines(sys.stdin.buffer if str(batch) == "-" else _open_batch(batch))
     session = open_session(opts, session_config)
 
     if batch is None:
@@ -75,6 +91,7 @@ def run(
             system=system,
             resume=str(resume) if resume else None,
             save=str(save) if save else None,
+            resume_if_exists=resume_if_exists,
         )
         stream = None if json_out else ui.emit
         with ui.prefill_progress() as progress:
@@ -87,8 +104,12 @@ def run(
                 on_mismatch=on_mismatch,
                 store_session=opts.store_session,
             )
+        if row.get("resume_missing"):
+            ui.note(f"{resume} does not exist yet: ran from scratch")
         if row.get("restore_error"):
             ui.note(f"snapshot refused, recomputed from scratch: {row['restore_error']}")
+        if row.get("store_error"):
+            ui.note(f"warning: {row['store_error']}")
         if json_out:
             row.pop("id")
             ui.print_json(row)
@@ -106,7 +127,10 @@ def run(
             continue
         if item.resume is None and resume is not None:
             item = _with(item, resume=str(resume))
+        if resume_if_exists:
+            item = _with(item, resume_if_exists=True)
         try:
+            check_save_target(item.save)  # a target the save would refuse fails the job before it runs
             row = run_job(session, item, defaults, on_mismatch=on_mismatch)
         except KvsnapError as exc:  # one bad job must not stop the batch
             failed += 1
@@ -118,12 +142,23 @@ def run(
 
 
 def _open_batch(path: Path):
-    from kvsnap.errors import ConfigError
+    import os
+    import stat
 
+    from kvsnap.errors import ConfigError
+    from kvsnap.paths import kind_of
+
+    # A regular file, or a pipe (a FIFO, `--batch <(make_jobs)`), which streams jobs as '-' does. A
+    # folder or a device is refused: /dev/zero would be one endless line.
     try:
-        return path.open(encoding="utf-8")
+        mode = os.stat(path).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+            raise ConfigError(f"{path}: batch file is {kind_of(mode)}, not a regular file or a pipe")
+        return path.open("rb")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such batch file") from None
     except OSError as exc:
-        raise ConfigError(f"{path}: cannot read batch file ({exc.strerror})") from None
+        raise ConfigError(f"{path}: cannot read batch file ({exc.strerror or exc})") from None
 
 
 def _with(job, **changes):
@@ -136,11 +171,12 @@ def _stats_line(row: dict) -> str:
     parts = [
         f"{row['prompt_tokens']:,} prompt tokens",
         f"{row['hit_tokens']:,} reused ({row['reuse_ratio']:.0%})",
-        f"{row['prefill_tokens']:,} prefilled in {row['chunks']} chunks",
+        f"{row['prefill_tokens']:,} prefilled in {ui.plural(row['chunks'], 'chunk')}",
     ]
     if row.get("ttft_s") is not None:
         parts.append(f"ttft {row['ttft_s']:.3f} s")
-    parts.append(f"{row['new_tokens']} new tokens ({row['stop_reason']})")
+    reason = "stopped: the model's context is full" if row["stop_reason"] == "context" else row["stop_reason"]
+    parts.append(f"{ui.plural(row['new_tokens'], 'new token')} ({reason})")
     if "saved" in row:
         parts.append(f"saved {row['saved']['path']} ({ui.human_bytes(row['saved']['file_bytes'])})")
     return "[" + ", ".join(parts) + "]"

@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from kvsnap import limits
 from kvsnap.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvsnap.types import KVLayout
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_BLOCK_SIZE = 64  # tokens per block: the unit of hashing, storage and reuse
@@ -31,10 +36,12 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    stop_loops: bool = True  # end an answer stuck repeating one short sequence (stop_reason "repetition")
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 0:
-            raise ConfigError("max_new_tokens must be >= 0")
+        # A bound even where a model states no context (where it does, generation stops there first).
+        if not 0 <= self.max_new_tokens <= limits.MAX_TOKENS:
+            raise ConfigError(f"max_new_tokens must be in [0, {limits.MAX_TOKENS:,}]")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ConfigError("temperature must be a finite number >= 0")
         if self.top_k < 0:
@@ -83,13 +90,20 @@ class SessionConfig:
         from kvsnap.format.codec import LOSSY_CODECS
         from kvsnap.types import KV_DTYPES
 
-        if self.block_size < 1:
-            raise ConfigError("block_size must be >= 1")
+        # The bounds a .kv file's reader enforces are refused here, not after a run at save time.
+        limits.check_block_size(self.block_size)
         if self.chunk_size < 1:
             raise ConfigError("chunk_size must be >= 1")
         check_codec(self.codec)
+        limits.check_level(self.level)
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"unknown KV storage dtype {self.kv_dtype!r} (known: {', '.join(KV_DTYPES)})")
         if with_store and self.codec in LOSSY_CODECS:
             raise ConfigError("a lossy codec is for .kv files; blocks in the store are shared and kept exact")
+        return self
+
+    def check_layout(self, layout: KVLayout) -> SessionConfig:
+        """Refuse, once the model's cache layout is known (before its weights load), blocks larger than
+        a ``.kv`` file may hold: ``block_size`` tokens of KV in the stored dtype. Returns self."""
+        limits.check_layout(layout.with_dtype(self.kv_dtype or layout.dtype), self.block_size)
         return self

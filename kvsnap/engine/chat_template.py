@@ -1,7 +1,14 @@
-"""Chat messages to token ids through the model's own chat template."""
+"""Chat messages to token ids through the model's own chat template.
+
+Control tokens come from the template only: special-token text inside a message (``<|im_end|>``
+typed by a user) stays text, so a message cannot close its own turn and forge another. A
+conversation without such text tokenizes exactly as ``apply_chat_template`` + the tokenizer always
+did (the same ids, so existing snapshots keep matching).
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from kvsnap.errors import ConfigError
@@ -13,5 +20,61 @@ def render_chat(lm: LoadedModel, messages: Sequence[dict[str, str]], add_generat
     tok = lm.tokenizer
     if not getattr(tok, "chat_template", None):
         raise ConfigError(f"model {lm.name} has no chat template; give a raw prompt instead")
-    text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
-    return list(tok(text, add_special_tokens=False)["input_ids"])
+    specials = special_texts(tok)
+    found = sorted({s for m in messages for v in m.values() for s in specials if s in v}, key=len, reverse=True)
+    if not found:
+        text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+    return _render_literal(tok, messages, found, specials, add_generation_prompt)
+
+
+def special_texts(tok) -> set[str]:
+    """The text of every special token the tokenizer turns into a control id when it meets it."""
+    added = getattr(tok, "added_tokens_decoder", {}) or {}
+    texts = {t.content for t in added.values() if getattr(t, "special", False)}
+    return {t for t in texts | set(getattr(tok, "all_special_tokens", ())) if t}
+
+
+def _render_literal(
+    tok, messages: Sequence[dict[str, str]], found: list[str], specials: set[str], add_generation_prompt: bool
+) -> list[int]:
+    """Render with each special-token text in the messages replaced by a stand-in, so every control
+    token of the result is the template's; tokenize that, then re-tokenize only the stretches between
+    control tokens that hold a stand-in, from the real text, with special-token text kept as text."""
+    used = {c for m in messages for v in m.values() for c in v if "\ue000" <= c < "\uf900"}
+    mark = next((chr(c) for c in range(0xE000, 0xF900) if chr(c) not in used), None)
+    if mark is None:
+        raise ConfigError("a message holds special-token text and every private-use character: cannot keep it text")
+    pattern = re.compile("|".join(map(re.escape, found)))
+    index = {s: i for i, s in enumerate(found)}
+    masked = [{k: pattern.sub(lambda x: f"{mark}{index[x.group()]}{mark}", v) for k, v in m.items()} for m in messages]
+    text = tok.apply_chat_template(masked, tokenize=False, add_generation_prompt=add_generation_prompt)
+    try:
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    except (NotImplementedError, ValueError, TypeError):
+        raise ConfigError(
+            f"a message holds special-token text ({found[0]}) that this tokenizer cannot keep as plain text"
+        ) from None
+    control = {i for i in tok.convert_tokens_to_ids(sorted(specials)) if isinstance(i, int)}
+    unmask = re.compile(f"{mark}(\\d+){mark}")
+    out: list[int] = []
+    run: list[int] = []
+    start = 0  # where the text between the previous control token and the next one begins
+
+    def close(end: int) -> None:
+        piece = text[start:end]
+        if mark not in piece:
+            out.extend(run)  # ids exactly as the plain path gives them
+            return
+        real = unmask.sub(lambda x: found[int(x.group(1))], piece)
+        out.extend(tok(real, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+    for token, (a, b) in zip(enc["input_ids"], enc["offset_mapping"]):
+        if token in control:
+            close(a)
+            out.append(token)
+            run, start = [], b
+        else:
+            run.append(token)
+    close(len(text))
+    return out

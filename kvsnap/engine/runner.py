@@ -13,9 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvsnap import limits
 from kvsnap.config import SamplingParams
 from kvsnap.engine.cache import KVCache
-from kvsnap.engine.sampling import TextStream, sample
+from kvsnap.engine.sampling import TextStream, is_looping, sample
 from kvsnap.models.load import LoadedModel
 
 
@@ -51,6 +52,8 @@ class Runner:
         on_chunk: Callable[[int, int], None] | None = None,
     ) -> torch.Tensor | None:
         """Run the planned ``[start, end)`` chunks of ``token_ids`` in order; returns the last logits."""
+        if chunks:  # no position past the model's context (Session.run refuses such a prompt before any work)
+            limits.check_tokens(len(token_ids), self.lm.max_positions)
         logits = None
         done = 0
         total = sum(end - start for start, end in chunks)
@@ -68,7 +71,7 @@ class Generation:
 
     token_ids: tuple[int, ...]
     text: str
-    stop_reason: str  # "eos" | "stop" | "length" | "interrupted" | "none"
+    stop_reason: str  # "eos" | "stop" | "length" | "context" (full) | "repetition" | "interrupted" | "none"
     first_token_at: float | None  # time.perf_counter() of the first sampled token
     last_logits: torch.Tensor  # logits after the last token that was run (not after the pending one)
     forwarded: int  # how many of token_ids were run through the model (all but the last, or fewer)
@@ -82,7 +85,8 @@ def generate(
     params: SamplingParams,
     on_text: Callable[[str], None] | None = None,
 ) -> Generation:
-    """Decode from ``logits`` (the logits after position ``start - 1``) until EOS, a stop string or the limit.
+    """Decode from ``logits`` (the logits after position ``start - 1``) until EOS, a stop string, the limit
+    or the model's context: no token is placed past the context (it is also all a snapshot holds).
 
     Ctrl-C (KeyboardInterrupt) ends the loop cleanly: the cache is cut back to the tokens that
     were fully run, and the tokens so far are returned with ``stop_reason="interrupted"``.
@@ -95,9 +99,13 @@ def generate(
     ids: list[int] = []
     reason = "none"
     first_at = None
-    pos = start
+    pos = start  # where the next sampled token sits
+    context, _ = limits.token_limit(lm.max_positions)
     try:
         for step in range(params.max_new_tokens):
+            if pos >= context:
+                reason = "context"
+                break
             token = sample(logits.cpu(), params, generator)
             ids.append(token)
             if first_at is None:
@@ -111,8 +119,14 @@ def generate(
             if stream.stopped:
                 reason = "stop"
                 break
+            if params.stop_loops and is_looping(ids):
+                reason = "repetition"
+                break
             if step == params.max_new_tokens - 1:
                 reason = "length"
+                break
+            if pos + 1 >= context:  # this token fills the last position: nothing after it fits
+                reason = "context"
                 break
             logits = runner.forward(cache, [token], pos)
             pos += 1

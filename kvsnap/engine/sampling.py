@@ -76,3 +76,21 @@ class TextStream:
         delta = self.text[self.emitted :]
         self.emitted = len(self.text)
         return delta
+
+
+def is_looping(ids: Sequence[int], *, max_period: int = 32, min_span: int = 32, min_repeats: int = 4) -> bool:
+    """Whether the last tokens repeat one short sequence over and over ("La USA, la USA, ..."): the
+    tail is ``period`` tokens repeated at least ``min_repeats`` times and ``min_span`` tokens long.
+
+    Small models fall into such loops at any temperature; without this check an answer runs to
+    the token limit (a runaway the user had to stop with Ctrl-C).
+    """
+    n = len(ids)
+    for period in range(1, max_period + 1):
+        span = max(min_span, period * min_repeats)
+        if span > n:
+            break
+        tail = ids[n - span :]
+        if all(tail[i] == tail[i - period] for i in range(period, span)):
+            return True
+    return False

@@ -14,20 +14,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvsnap import hashing
-from kvsnap.errors import SnapshotError, SnapshotVersionError
+from kvsnap.errors import ConfigError, SaveError, SnapshotError, SnapshotVersionError
 from kvsnap.format import codec as codecs
 from kvsnap.hashing import checksum
+from kvsnap.limits import (
+    MAX_BLOCK_BYTES,
+    MAX_BLOCK_SIZE,
+    MAX_FINGERPRINT_PARTS,
+    MAX_LAYOUT_DIM,
+    MAX_LEVEL,
+    MAX_META_STRING,
+    MAX_TOKENS,
+    MIN_LEVEL,
+    check_block_size,
+    check_layout,
+    check_level,
+)
 from kvsnap.types import KV_DTYPES, EncodedBlock, KVLayout, chat_messages
 
 FORMAT_VERSION = 1
 READABLE_VERSIONS = (1,)
-# The bounds a reader enforces; a writer checks the same ones first (what kvsnap writes, it reads).
-MAX_TOKENS = 1 << 26
-MAX_LAYOUT_DIM = 1 << 16
-# Absolute bounds on what one block may claim, whatever the codec's ratio allows: a few hostile
-# bytes must not make a reader zero-fill gigabytes.
-MAX_BLOCK_SIZE = 1 << 16
-MAX_BLOCK_BYTES = 1 << 30
+# The bounds a reader enforces are kvsnap.limits' one table; the writer checks the same ones first
+# (``SnapshotHeader.check``, ``check_contents``): what kvsnap writes, it reads.
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,20 +58,36 @@ class SnapshotHeader:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:
-        """Refuse, before anything is written, a header the reader would refuse."""
-        for name, value in (
-            ("layers", self.layout.num_layers),
-            ("kv_heads", self.layout.num_kv_heads),
-            ("head_dim", self.layout.head_dim),
-        ):
-            if not 1 <= value <= MAX_LAYOUT_DIM:
-                raise ValueError(f"{name} {value} outside [1, {MAX_LAYOUT_DIM}]")
-        if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
-            raise ValueError(f"block size {self.block_size} outside [1, {MAX_BLOCK_SIZE}]")
+        """Refuse, before anything is written, a header the reader would refuse (``SaveError``)."""
         if self.codec not in codecs.ALL_CODECS:
-            raise ValueError(f"unknown codec {self.codec!r}")
+            raise SaveError(f"cannot write a snapshot with unknown codec {self.codec!r}")
         if self.storage_dtype is not None and self.storage_dtype not in KV_DTYPES:
-            raise ValueError(f"unknown storage dtype {self.storage_dtype!r}")
+            raise SaveError(f"cannot write a snapshot with unknown storage dtype {self.storage_dtype!r}")
+        strings = [self.model, self.fingerprint, *self.fingerprint_parts, *self.fingerprint_parts.values()]
+        if any(not isinstance(v, str) or len(v) > MAX_META_STRING for v in strings):
+            raise SaveError(
+                f"cannot write a snapshot: model names and fingerprints are at most {MAX_META_STRING} characters"
+            )
+        if len(self.fingerprint_parts) > MAX_FINGERPRINT_PARTS:
+            raise SaveError(f"cannot write a snapshot with over {MAX_FINGERPRINT_PARTS} fingerprint parts")
+        try:
+            check_block_size(self.block_size)
+            check_level(self.level)
+            check_layout(self.layout.with_dtype(self.storage_dtype or self.layout.dtype), self.block_size)
+        except ConfigError as exc:
+            raise SaveError(f"cannot write the snapshot: {exc}") from None
+
+
+def check_contents(header: SnapshotHeader, num_tokens: int, blocks: Sequence[EncodedBlock]) -> None:
+    """Refuse (``SaveError``) contents the reader would refuse: too many tokens, an oversized block."""
+    if num_tokens > MAX_TOKENS:
+        raise SaveError(f"cannot write the snapshot: {num_tokens:,} tokens, a .kv file holds at most {MAX_TOKENS:,}")
+    for i, b in enumerate(blocks):
+        if not 1 <= b.num_tokens <= header.block_size or b.raw_bytes > MAX_BLOCK_BYTES:
+            raise SaveError(
+                f"cannot write the snapshot: block {i} holds {b.num_tokens:,} tokens in {b.raw_bytes:,} bytes "
+                f"(at most {header.block_size:,} tokens and {MAX_BLOCK_BYTES:,} bytes)"
+            )
 
 
 def build_meta(
@@ -76,8 +100,9 @@ def build_meta(
     messages: Sequence[dict[str, str]] | None,
 ) -> str:
     """The ``__metadata__["kvsnap"]`` JSON of a snapshot (ASCII, so chat text with lone surrogates
-    from odd terminals still makes a valid file)."""
+    from odd terminals still makes a valid file); ``SaveError`` for what the reader would refuse."""
     header.check()
+    check_contents(header, num_tokens, blocks)
     meta: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "hash_scheme": hashing.HASH_SCHEME,
@@ -217,7 +242,7 @@ def _int(value: Any, name: str, lo: int, hi: int) -> int:
 
 
 def _str(value: Any, name: str) -> str:
-    if not isinstance(value, str) or len(value) > 4096:
+    if not isinstance(value, str) or len(value) > MAX_META_STRING:
         raise SnapshotError(f"metadata field {name} is not a string")
     return value
 
@@ -290,7 +315,7 @@ def _meta_from_dict(raw: dict[str, Any]) -> SnapshotMeta:
         layout=layout,
         block_size=block_size,
         codec=codec,
-        level=_int(raw["level"], "level", -(1 << 17), 22),
+        level=_int(raw["level"], "level", MIN_LEVEL, MAX_LEVEL),
         num_tokens=num_tokens,
         tokens_checksum=_str(raw["tokens_checksum"], "tokens_checksum"),
         blocks=tuple(blocks),
@@ -306,6 +331,6 @@ def _meta_from_dict(raw: dict[str, Any]) -> SnapshotMeta:
 def _parts(value: Any) -> dict[str, str]:
     if value is None:
         return {}
-    if not isinstance(value, dict) or len(value) > 16:
+    if not isinstance(value, dict) or len(value) > MAX_FINGERPRINT_PARTS:
         raise SnapshotError("metadata field fingerprint_parts is malformed")
     return {_str(k, "fingerprint_parts"): _str(v, "fingerprint_parts") for k, v in value.items()}

@@ -25,10 +25,12 @@ from typing import Any
 import numpy as np
 
 from kvsnap import hashing
+from kvsnap.errors import SaveError
 from kvsnap.format import codec as codecs
 from kvsnap.format.atomic import atomic_write
 from kvsnap.format.meta import SnapshotHeader, build_meta
 from kvsnap.hashing import checksum
+from kvsnap.limits import MAX_HEADER_BYTES
 from kvsnap.types import EncodedBlock
 
 
@@ -95,4 +97,9 @@ def write_snapshot(
         add("last_logits", "F32", [len(logits_data) // 4], logits_data)
     header_bytes = json.dumps(tensors, separators=(",", ":")).encode()
     header_bytes += b" " * (-len(header_bytes) % 8)  # safetensors aligns the data to 8 bytes
+    if len(header_bytes) > MAX_HEADER_BYTES:  # safetensors would refuse to open the file
+        raise SaveError(
+            f"cannot write the snapshot: its header would be {len(header_bytes):,} bytes, safetensors reads at most "
+            f"{MAX_HEADER_BYTES:,} (too many blocks or too much chat text: use a larger block size)"
+        )
     return atomic_write(Path(path), [struct.pack("<Q", len(header_bytes)), header_bytes, *payloads])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,10 +65,34 @@ class LoadedModel:
     cache_kwarg: str
     eos_token_ids: frozenset[int]
     fingerprint_parts: dict[str, str] = field(default_factory=dict)
+    max_positions: int | None = None  # the model's context in tokens (None: its config states none)
+    # Sampling settings the model ships in generation_config.json (temperature, top_p, top_k), if any.
+    sampling_defaults: dict[str, float | int] = field(default_factory=dict)
 
     @property
     def kv_dtype(self) -> str:
         return self.layout.dtype
+
+
+# RoPE scalings that stretch a pretrained context of ``original_max_position_embeddings`` (else
+# ``max_position_embeddings``) by ``factor``; "llama3" and "longrope" state the stretched length in
+# ``max_position_embeddings`` already, as transformers expects.
+_STRETCHING_ROPE = ("linear", "dynamic", "yarn")
+
+
+def max_positions_of(config) -> int | None:
+    """The most positions the model attends over, as its transformers config says (None if it does not)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    n = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        return None
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in _STRETCHING_ROPE:
+        factor = rope.get("factor")
+        original = rope.get("original_max_position_embeddings") or n
+        if isinstance(factor, (int, float)) and factor > 1 and isinstance(original, int):
+            n = max(n, int(original * factor))
+    return n
 
 
 def load_tokenizer(folder: Path):
@@ -86,8 +111,13 @@ def load_model(
     dtype: str = DEFAULT_DTYPE,
     progress: Progress = noop,
     install: bool = False,
+    check_layout: Callable[[KVLayout], object] | None = None,
 ) -> LoadedModel:
-    """Load a supported model with its tokenizer, ready for a ``Session``."""
+    """Load a supported model with its tokenizer, ready for a ``Session``.
+
+    ``check_layout`` (e.g. ``SessionConfig.check_layout``) sees the cache layout before the weights
+    load, so a setting the model cannot take fails in a second, not after the load.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from kvsnap.engine import attention, cache
@@ -102,6 +132,9 @@ def load_model(
     except Exception as exc:
         raise ModelError(f"cannot read the model config in {folder}: {exc}") from None
     cache.check_supported(config)
+    layout = cache.layout_of(config, torch_dtype)
+    if check_layout is not None:
+        check_layout(layout)
     progress(f"loading {spec}")
     try:
         model = AutoModelForCausalLM.from_pretrained(
@@ -114,7 +147,6 @@ def load_model(
     except (RuntimeError, MemoryError) as exc:
         raise ModelError(f"cannot place {spec} on {dev}: {str(exc).splitlines()[0] if str(exc) else exc}") from None
     tokenizer = load_tokenizer(folder)
-    layout = cache.layout_of(config, torch_dtype)
     parts = fingerprint_parts(folder, config_file(folder), layout.dtype)
     eos = set()
     for source in (getattr(model, "generation_config", None), config, tokenizer):
@@ -123,6 +155,7 @@ def load_model(
             eos.add(value)
         elif isinstance(value, (list, tuple)):
             eos.update(v for v in value if isinstance(v, int))
+    eos.update(end_of_turn_ids(tokenizer))
     return LoadedModel(
         name=spec,
         folder=folder,
@@ -136,4 +169,49 @@ def load_model(
         layout=layout,
         cache_kwarg=cache.forward_cache_kwarg(model),
         eos_token_ids=frozenset(eos),
+        max_positions=max_positions_of(config),
+        sampling_defaults=sampling_defaults_of(folder),
     )
+
+
+# Tokens chat templates close a turn with. A model whose config names only its end-of-text token
+# (Qwen's <|endoftext|>) would otherwise answer past its own turn, writing the next user message.
+_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endofturn|>")
+
+
+def end_of_turn_ids(tokenizer: Any) -> set[int]:
+    """Ids of the end-of-turn tokens the tokenizer's chat template uses."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return set()
+    ids = set()
+    for text in _END_OF_TURN:
+        if text in template:
+            token_id = tokenizer.convert_tokens_to_ids(text)
+            if isinstance(token_id, int) and token_id != getattr(tokenizer, "unk_token_id", None):
+                ids.add(token_id)
+    return ids
+
+
+def sampling_defaults_of(folder: Path) -> dict[str, float | int]:
+    """The sampling settings a model's authors recommend, as written in its generation_config.json.
+
+    Read from the file, not from transformers' GenerationConfig, whose class defaults (temperature
+    1.0, top_k 50) would pass for recommendations. ``do_sample: false`` means greedy.
+    """
+    import json
+
+    try:
+        raw = json.loads((folder / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    if raw.get("do_sample") is False:
+        return {"temperature": 0.0}
+    found: dict[str, float | int] = {}
+    for key, kind in (("temperature", float), ("top_p", float), ("top_k", int)):
+        value = raw.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            found[key] = kind(value)
+    return found
