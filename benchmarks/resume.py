@@ -37,6 +37,7 @@ from benchmarks.common import (  # noqa: E402
     write_json,
 )
 from kvsnap.config import SamplingParams  # noqa: E402
+from kvsnap.engine.encoded import EncodedBlocks  # noqa: E402
 from kvsnap.engine.session import Session  # noqa: E402
 from kvsnap.format import Snapshot  # noqa: E402
 from kvsnap.models import load_model  # noqa: E402
@@ -213,7 +214,7 @@ def measure(lm, n: int, repeats: int, folder: Path, model: str, dtype: str, code
 
 def _fresh_copy(session: Session) -> Session:
     """The primed session without its cached encodings, so every save is a full first save."""
-    session._encoded = {}
+    session._encoded = EncodedBlocks()
     return session
 
 

@@ -1,8 +1,14 @@
-"""``kvsnap chat``: a streaming REPL that resumes from and autosaves to a .kv snapshot."""
+"""``kvsnap chat``: a streaming REPL that resumes from and autosaves to a .kv snapshot (or a store session).
+
+What it promises: an autosave never replaces a snapshot this chat does not continue (another
+conversation, a document primed by ``run``, a file someone else saved since) unless the user says
+so; it saves beside it instead and says where. Every message names the file that holds what.
+"""
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -10,19 +16,32 @@ import typer
 
 from cli import options as o
 from cli import ui
+from cli.chat_input import Command, InterruptGate, Message, read_entry
 from cli.common import guarded, open_session
 from kvsnap.config import CHAT_SAMPLING
 
 HELP = """commands:
-  /save [FILE]  save the session now (default: the autosave file)
-  /stats        tokens, reuse and sizes
-  /reset        forget the conversation (the snapshot file is kept)
-  /exit         quit (Ctrl-D too)
-  /help         this list"""
+  /save [FILE]   save now (default: the autosave file); refuses to replace a file this chat does not continue
+  /save! [FILE]  save now, replacing the file whatever it holds
+  /stats         tokens, reuse and sizes
+  /reset         start a new conversation; the autosave file keeps the old one and autosave moves beside it
+  /say TEXT      send TEXT as a message even if it starts with / (or type //text)
+  /exit          quit (Ctrl-D too)
+  /help          this list
+input: one message per line; in a terminal, a line holding only \"\"\" starts and ends a multi-line message"""
+
+
+@dataclass
+class Keeping:
+    """Where the conversation is kept: an autosave file, a named store session, both or neither."""
+
+    target: object | None  # kvsnap.autosave.AutosaveTarget
+    store_name: str | None
+    force: bool  # the user allowed replacing the autosave file whatever it holds
 
 
 @guarded
-@o.session_options(CHAT_SAMPLING)
+@o.session_options(CHAT_SAMPLING, model_defaults=True)
 def chat(
     resume: Annotated[
         Path | None, typer.Option(help="Resume this snapshot (started fresh if it does not exist).")
@@ -30,6 +49,14 @@ def chat(
     save: Annotated[
         Path | None, typer.Option(help="Autosave here after every turn (default: the --resume file).")
     ] = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            metavar="",
+            help="Let the autosave replace its file even if it holds a conversation this chat does not continue.",
+        ),
+    ] = False,
     on_mismatch: Annotated[
         str,
         typer.Option(help="If the --resume snapshot is refused: ask (error when not a terminal), error, recompute."),
@@ -40,10 +67,12 @@ def chat(
 ) -> None:
     """Chat with a local model; the conversation's KV cache is saved after every turn and resumed for free.
 
-    Reads one message per line. When stdin is not a terminal (a pipe or a file), each line is a
-    user message and /exit or end of input ends the chat.
+    Reads one message per line. When stdin is not a terminal (a pipe or a file), each line is a user
+    message and /exit or end of input ends the chat. With --store and --store-session NAME the chat is
+    recorded in the block store under NAME after every turn, and the next chat with that name resumes it.
     """
     from cli.batch import check_save_target
+    from kvsnap.autosave import AutosaveTarget, Held
     from kvsnap.config import ON_MISMATCH, check_choice
     from kvsnap.errors import ConfigError, SnapshotError
 
@@ -52,71 +81,109 @@ def chat(
     check_save_target(save or resume)
     if opts.store_session is not None and opts.store is None:
         raise ConfigError("--store-session needs --store DIR")
-    params = opts.sampling()
+    opts.sampling()  # a bad flag is refused before the model loads
     session = open_session(opts, session_config)
+    params = opts.sampling(model_defaults=session.lm.sampling_defaults)
     autosave = save or resume
     interactive = sys.stdin.isatty()
+    seen = None  # the tokens of the autosave file, when this chat resumed it
     if resume is not None and not resume.exists():
         ui.note(f"{resume} does not exist yet: starting a new session")
     elif resume is not None:
         try:
             stats = session.restore(resume)
         except SnapshotError as exc:
-            _refused(exc, on_mismatch, interactive, autosave)
+            force = _refused(exc, on_mismatch, interactive, autosave) or force
         else:
             ui.note(ui.resume_line(stats, recomputed=0))
-            if session.messages:
-                turns = sum(1 for m in session.messages if m["role"] == "user")
-                ui.note(
-                    f"{turns} earlier turn{'s' if turns != 1 else ''}; last answer: {_last_answer(session.messages)}"
-                )
-            else:
-                ui.note("the snapshot has no chat history; its tokens are reused where the conversation matches them")
-    if autosave is None:
-        ui.note("not autosaving (use --save FILE or /save FILE)")
+            _describe_history(session, resume, autosave)
+            seen = Held.of(session.tokens, session.messages) if autosave == resume else None
+    elif opts.store_session is not None:
+        stats = session.restore_store_session(opts.store_session)
+        if stats is not None:
+            ui.note(ui.resume_line(stats, recomputed=0))
+            _describe_history(session, None, autosave)
+    keeping = Keeping(AutosaveTarget(autosave, seen=seen) if autosave is not None else None, opts.store_session, force)
+    _say_where(keeping, opts.store)
     if interactive:
         import readline  # noqa: F401  (line editing and history for input())
 
         ui.note("type a message, /help for commands, Ctrl-C stops an answer, Ctrl-D quits")
+    _loop(session, params, keeping, interactive, system)
 
+
+def _loop(session, params, keeping: Keeping, interactive: bool, system: str | None) -> None:
+    gate = InterruptGate()
     while True:
         try:
-            line = input(">>> " if interactive else "")
+            entry = read_entry(input, interactive)
         except EOFError:
             if interactive:
                 ui.emit("\n")
-            break
+            return
         except KeyboardInterrupt:
             ui.emit("\n")
             ui.note("(/exit or Ctrl-D to quit)")
             continue
-        text = line.strip()
-        if not text:
+        if entry is None:
             continue
-        if text.startswith("/"):
-            if not _command(text, session, autosave, system):
-                break
+        if isinstance(entry, Command):
+            if not _command(entry, session, keeping, interactive):
+                return
             continue
-        try:
-            with ui.prefill_progress() as progress:
-                result = session.chat(
-                    text, params, system=system, on_text=ui.emit, on_progress=progress, store_session=opts.store_session
-                )
-        except KeyboardInterrupt:
-            # Interrupted while reading the message in: the session is as it was before it.
-            ui.emit("\n")
-            ui.note("(interrupted before the answer; the message was not added)")
-            continue
+        assert isinstance(entry, Message)
+        with gate.turn():
+            _turn(entry.text, session, params, keeping, interactive, system, gate)
+        if gate.held:
+            ui.note("(Ctrl-C was held until the turn was saved)")
+
+
+def _turn(text: str, session, params, keeping: Keeping, interactive: bool, system: str | None, gate) -> None:
+    """One message and its answer, then the autosave; Ctrl-C stops the answer but never loses the turn."""
+    before = session.messages
+    try:
+        with ui.prefill_progress() as progress:
+            result = session.chat(
+                text, params, system=system, on_text=ui.emit, on_progress=progress, store_session=keeping.store_name
+            )
+    except KeyboardInterrupt:
+        gate.stop_interrupting()
+        ui.emit("\n")
+        if session.messages is before:
+            ui.note("(interrupted before the answer: the conversation is as it was before this message)")
+            return
+        ui.note("(interrupted while recording the turn: the answer is kept)")
+    else:
+        gate.stop_interrupting()
         ui.emit("\n")
         if result.stop_reason == "interrupted":
-            ui.note("(answer interrupted; the session keeps what was generated)")
+            ui.note("(answer interrupted: the conversation keeps the part shown)")
         ui.note(ui.turn_stats(result))
-        if autosave is not None:
-            _save(session, autosave)
+        if result.store_error:
+            ui.note(f"warning: {result.store_error}")
+    if keeping.target is not None:
+        _autosave(session, keeping, interactive)
 
 
-def _refused(exc: Exception, policy: str, interactive: bool, autosave: Path | None) -> None:
-    """A snapshot that cannot be used: stop, or (when allowed) start over without touching the file yet."""
+def _describe_history(session, path: Path | None, autosave: Path | None) -> None:
+    if session.messages:
+        turns = sum(1 for m in session.messages if m["role"] == "user")
+        ui.note(f"{ui.plural(turns, 'earlier turn')}; last answer: {_last_answer(session.messages)}")
+    elif path is not None:
+        kept = f"; {path} is replaced only by a conversation that continues it" if autosave == path else ""
+        ui.note(f"{path} has no chat history: its tokens are reused where the conversation matches them{kept}")
+
+
+def _say_where(keeping: Keeping, store: Path | None) -> None:
+    if keeping.store_name is not None:
+        ui.note(f"recording this chat in the store {store} as session {keeping.store_name!r} after every turn")
+    if keeping.target is None and keeping.store_name is None:
+        ui.note("not autosaving (use --save FILE or /save FILE)")
+
+
+def _refused(exc: Exception, policy: str, interactive: bool, autosave: Path | None) -> bool:
+    """A snapshot that cannot be used: stop, or (when allowed) start over. Returns True when the user
+    agreed that the autosave may replace the refused file."""
     if policy == "ask" and interactive:
         ui.error(str(exc))
         where = f"; the next autosave replaces {autosave}" if autosave is not None else ""
@@ -126,57 +193,132 @@ def _refused(exc: Exception, policy: str, interactive: bool, autosave: Path | No
             answer = ""
         if answer not in ("y", "yes"):
             raise typer.Exit(1)
-    elif policy != "recompute":
-        raise exc
-    else:
-        ui.error(f"{exc} (starting a new conversation)")
+        return True
+    if policy != "recompute":
+        raise type(exc)(f"{exc} (--on-mismatch recompute starts a new conversation and keeps the file)")
+    ui.error(f"{exc} (starting a new conversation; the file is kept)")
+    return False
 
 
-def _save(session, target: Path) -> None:
+def _autosave(session, keeping: Keeping, interactive: bool) -> None:
+    """Save to the autosave file, unless that would replace a conversation this chat does not continue:
+    then ask (terminal) or save beside it (no terminal), and say which file holds what."""
+    from kvsnap.autosave import AutosaveTarget, beside
+
+    target = keeping.target
+    conflict = None if keeping.force else target.conflict(session.all_tokens, session.messages)
+    if conflict is not None:
+        other = beside(target.path)
+        choice = "b"
+        if interactive:
+            choice = _ask(
+                f"{conflict.reason}. [o]verwrite it, save [b]eside it as {other}, or [s]kip this save? [b] ", "obs", "b"
+            )
+        if choice == "s":
+            ui.note(f"not saved; {target.path} is unchanged")
+            return
+        if choice == "b":
+            ui.note(f"{conflict.reason}: saving this chat to {other} instead, and autosaving there from now on")
+            keeping.target = target = AutosaveTarget(other)
+    _save(session, target)
+
+
+def _save(session, target) -> bool:
     """Save, and on failure say why and keep chatting: the conversation is still in memory."""
     from kvsnap.errors import KvsnapError
 
     try:
-        ui.note(ui.save_line(session.save(target)))
+        stats = session.save(target.path)
     except KvsnapError as exc:
         ui.error(f"{exc} (the conversation is kept; /save FILE to save elsewhere)")
+        return False
+    target.saved(session.tokens, session.messages)
+    ui.note(ui.save_line(stats))
+    return True
 
 
-def _command(text: str, session, autosave: Path | None, system: str | None) -> bool:
+def _ask(question: str, choices: str, default: str) -> str:
+    try:
+        answer = input(question).strip().lower()[:1]
+    except (EOFError, KeyboardInterrupt):
+        return default
+    return answer if answer and answer in choices else default
+
+
+def _command(cmd: Command, session, keeping: Keeping, interactive: bool) -> bool:
     """Handle a slash command; returns False to quit."""
-    name, _, arg = text.partition(" ")
-    arg = arg.strip()
+    from kvsnap.autosave import AutosaveTarget
+
+    name, arg = cmd.name, cmd.arg
     if name in ("/exit", "/quit"):
         return False
     if name == "/help":
         ui.note(HELP)
-    elif name == "/save":
-        target = Path(arg).expanduser() if arg else autosave
-        if target is None:
-            ui.error("/save needs a file name (no autosave file was given)")
+    elif name in ("/save", "/save!"):
+        if not arg:
+            if keeping.target is None:
+                ui.error(f"{name} needs a file name (no autosave file was given)")
+            elif name == "/save!":
+                _save(session, keeping.target)
+            else:
+                _autosave(session, keeping, interactive)
+            return True
+        target = AutosaveTarget(Path(arg).expanduser())
+        conflict = target.conflict(session.all_tokens, session.messages) if name == "/save" else None
+        if conflict is not None:
+            ui.error(f"{conflict.reason}; /save! {arg} replaces it")
         else:
             _save(session, target)
     elif name == "/stats":
-        layout = session.lm.layout
-        turns = sum(1 for m in (session.messages or []) if m["role"] == "user")
-        ui.note(
-            f"{session.num_tokens:,} tokens in the session ({turns} turn{'s' if turns != 1 else ''}), raw KV "
-            f"{ui.human_bytes(session.num_tokens * layout.bytes_per_token)}, model {session.lm.name} "
-            f"on {session.lm.device} ({layout.dtype}), forward saw {session.runner.tokens_seen:,} tokens so far"
-        )
-        if autosave is not None and autosave.exists():
-            ui.note(f"autosave file {autosave}: {ui.human_bytes(autosave.stat().st_size)}")
+        _stats(session, keeping)
     elif name == "/reset":
-        session.reset()
-        ui.note("conversation reset")
+        _reset(session, keeping)
     else:
-        ui.error(f"unknown command {name} (/help lists them)")
+        ui.error(f"unknown command {name} (/help lists them; //text or /say TEXT sends a message starting with /)")
     return True
+
+
+def _reset(session, keeping: Keeping) -> None:
+    """A new conversation: where the old one was kept, it stays; the new one is kept beside it."""
+    from kvsnap.autosave import AutosaveTarget, beside
+
+    session.reset()
+    said = ["conversation reset"]
+    target = keeping.target
+    if target is not None and target.path.exists():
+        keeping.target = AutosaveTarget(beside(target.path))
+        keeping.force = False
+        said.append(f"{target.path} keeps the previous conversation; this one autosaves to {keeping.target.path}")
+    if keeping.store_name is not None and session.store is not None:
+        names = {s.name for s in session.store.sessions()}
+        if keeping.store_name in names:
+            n = 2
+            while f"{keeping.store_name}-{n}" in names:
+                n += 1
+            new = f"{keeping.store_name}-{n}"
+            said.append(f"store session {keeping.store_name!r} keeps the previous conversation; this one is {new!r}")
+            keeping.store_name = new
+    ui.note("; ".join(said))
+
+
+def _stats(session, keeping: Keeping) -> None:
+    layout = session.lm.layout
+    turns = sum(1 for m in (session.messages or []) if m["role"] == "user")
+    ui.note(
+        f"{session.num_tokens:,} tokens in the session ({ui.plural(turns, 'turn')}), raw KV "
+        f"{ui.human_bytes(session.num_tokens * layout.bytes_per_token)}, model {session.lm.name} "
+        f"on {session.lm.device} ({layout.dtype}), forward saw {session.runner.tokens_seen:,} tokens so far"
+    )
+    path = keeping.target.path if keeping.target is not None else None
+    if path is not None and path.exists():
+        ui.note(f"autosave file {path}: {ui.human_bytes(path.stat().st_size)}")
+    if keeping.store_name is not None:
+        ui.note(f"recorded in the store as session {keeping.store_name!r}")
 
 
 def _last_answer(messages: list[dict[str, str]]) -> str:
     for m in reversed(messages):
         if m["role"] == "assistant":
             text = " ".join(m["content"].split())
-            return text if len(text) <= 80 else text[:77] + "..."
+            return ui.printable(text if len(text) <= 80 else text[:77] + "...")
     return "-"

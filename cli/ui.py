@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,14 +20,30 @@ from rich.tree import Tree
 err = Console(stderr=True, highlight=False)
 # Below this many uncached tokens a prefill is too short for a progress bar to be worth drawing.
 PROGRESS_MIN_TOKENS = 1024
+# Without a terminal, long work logs one line at most this often.
+LOG_EVERY_S = 3.0
+
+
+# C0 and C1 controls but newline and tab, DEL, and lone surrogates (bytes of a name that is not UTF-8).
+_UNPRINTABLE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def printable(text: str) -> str:
+    """``text`` safe for a terminal: control characters shown as ``\\x..`` escapes, newline and tab kept.
+
+    Snapshot, store and file-name text is someone else's data: an ESC in it would start a terminal
+    escape sequence (set the window title, move the cursor, rewrite the screen).
+    """
+    return _UNPRINTABLE.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text)
 
 
 def error(message: str) -> None:
-    err.print(f"[bold red]error:[/] {message}", markup=True, soft_wrap=True)
+    # Text, not markup: a message quotes names and file contents, whose brackets are not rich tags.
+    err.print(Text.assemble(("error:", "bold red"), " ", printable(message)), soft_wrap=True)
 
 
 def note(message: str) -> None:
-    err.print(f"[dim]{message}[/]", soft_wrap=True)
+    err.print(Text(printable(message), style="dim"), soft_wrap=True)
 
 
 def emit(text: str) -> None:
@@ -34,21 +52,41 @@ def emit(text: str) -> None:
 
 
 def print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
+    """One line of strict JSON: a number JSON cannot hold (NaN, Infinity) is written as a string, and
+    text that is not valid Unicode (a lone surrogate) as ``\\u`` escapes rather than failing the write."""
+    obj = _json_safe(obj)
+    try:
+        line = json.dumps(obj, ensure_ascii=False, allow_nan=False)
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        line = json.dumps(obj, allow_nan=False)
+    sys.stdout.write(line + "\n")
     sys.stdout.flush()
+
+
+def _json_safe(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
 
 
 @contextlib.contextmanager
 def status(message: str) -> Iterator[Any]:
     """A spinner with an updatable message; the callable it yields sets the message."""
     if not err.is_terminal:
-        # Without a terminal a spinner cannot redraw: print each stage once, not every counter tick.
-        seen = {"stage": None}
+        # Without a terminal a spinner cannot redraw: print each stage once, then its counter at most
+        # every few seconds (a 30 s conversion must not look hung in a log).
+        seen: dict[str, Any] = {"stage": None, "at": 0.0}
 
         def print_stage(msg: str) -> None:
             stage = re.sub(r"\d+", "#", msg)
-            if stage != seen["stage"]:
-                seen["stage"] = stage
+            now = time.monotonic()
+            if stage != seen["stage"] or now - seen["at"] >= LOG_EVERY_S:
+                seen["stage"], seen["at"] = stage, now
                 note(msg)
 
         yield print_stage
@@ -57,11 +95,11 @@ def status(message: str) -> Iterator[Any]:
         yield lambda msg: st.update(msg)
 
 
-def load_model(spec: str, device: str, dtype: str):
+def load_model(spec: str, device: str, dtype: str, check_layout=None):
     from kvsnap.models import load_model
 
     with status(f"loading {spec}") as update:
-        return load_model(spec, device=device, dtype=dtype, progress=update, install=True)
+        return load_model(spec, device=device, dtype=dtype, progress=update, install=True, check_layout=check_layout)
 
 
 @contextlib.contextmanager
@@ -70,7 +108,15 @@ def prefill_progress(label: str = "prefill") -> Iterator[Any]:
     holder: dict[str, Any] = {}
 
     def update(done: int, total: int) -> None:
-        if total < PROGRESS_MIN_TOKENS or not err.is_terminal:
+        if total < PROGRESS_MIN_TOKENS:
+            return
+        if not err.is_terminal:
+            # A log gets a line every few seconds instead of a bar.
+            now = time.monotonic()
+            start = holder.setdefault("start", now)
+            if done < total and now - holder.get("at", start) >= LOG_EVERY_S:
+                holder["at"] = now
+                note(f"{label}: {done:,}/{total:,} tokens ({done / total:.0%}, {now - start:.0f} s)")
             return
         if "bar" not in holder:
             bar = Progress(
@@ -102,7 +148,7 @@ def turn_stats(result: Any) -> str:
     source = " (logits from snapshot)" if result.logits_source == "snapshot" else ""
     return (
         f"[{result.prompt_tokens:,} prompt tokens: {result.hit_tokens:,} reused, {result.prefill_tokens:,} prefilled "
-        f"in {result.chunks} chunk{'s' if result.chunks != 1 else ''}{source}{ttft}; {result.new_tokens} new{rate}]"
+        f"in {plural(result.chunks, 'chunk')}{source}{ttft}; {result.new_tokens} new{rate}]"
     )
 
 
@@ -113,7 +159,7 @@ def resume_line(stats: Any, recomputed: int = 0) -> str:
 def save_line(stats: Any) -> str:
     return (
         f"saved {stats.tokens:,} tokens to {stats.path} ({human_bytes(stats.file_bytes)}, "
-        f"{stats.blocks_encoded} new block{'s' if stats.blocks_encoded != 1 else ''}, {stats.seconds:.2f} s)"
+        f"{plural(stats.blocks_encoded, 'new block')}, {stats.seconds:.2f} s)"
     )
 
 
@@ -156,24 +202,39 @@ def print_inspect(info: dict[str, Any]) -> None:
         rows.append(("chat", f"{info['chat_turns']} messages"))
     if "verified" in info:
         rows.append(("integrity", "all blocks verified" if info["verified"] else "; ".join(info["problems"])))
+    if info.get("no_preview"):
+        rows.append(("preview", info["no_preview"]))
     console.print(_key_value_table(rows))
+    # Everything below is the snapshot's own text: printed as Text (no markup), controls escaped.
     if "preview_start" in info:
-        console.print(f"[bold]start[/] {info['preview_start']!r}")
+        console.print(Text.assemble(("start", "bold"), " ", repr(info["preview_start"])))
         if info.get("preview_end"):
-            console.print(f"[bold]end[/]   {info['preview_end']!r}")
+            console.print(Text.assemble(("end", "bold"), "   ", repr(info["preview_end"])))
     for m in info.get("messages") or []:
         content = m["content"] if len(m["content"]) <= 100 else m["content"][:97] + "..."
-        console.print(f"  [dim]{m['role']}:[/] {content}")
+        console.print(Text.assemble((f"  {printable(m['role'])}:", "dim"), " ", printable(content)))
     if "prompt_tokens" in info:
-        sizes = info["chunk_sizes"]
-        shown = ", ".join(map(str, sizes[:8])) + (", ..." if len(sizes) > 8 else "")
-        console.print(
-            f"[bold]prompt[/] {info['prompt_tokens']:,} tokens: [green]{info['hit_tokens']:,} hit[/] "
-            f"({info['reuse_ratio']:.1%}, {info['blocks_to_read']} blocks to read), "
-            f"{info['prefill_tokens']:,} to prefill in {info['chunks']} chunks [{shown}]"
-            + (" (logits from snapshot)" if info["logits_source"] == "snapshot" else "")
-            + (" (backs off one token for logits)" if info["logits_source"] == "backoff" else "")
-        )
+        console.print(Text.assemble(("prompt", "bold"), " ", prompt_plan(info)), soft_wrap=True)
+
+
+def prompt_plan(info: dict[str, Any]) -> str:
+    """What a prompt would reuse from a snapshot, in one readable line."""
+    sizes = info["chunk_sizes"]
+    shown = ", ".join(map(str, sizes[:8])) + (", ..." if len(sizes) > 8 else "")
+    line = (
+        f"{plural(info['prompt_tokens'], 'token')}: {info['hit_tokens']:,} reused from the snapshot "
+        f"({info['reuse_ratio']:.0%}, read from {plural(info['blocks_to_read'], 'block')}), "
+        f"{info['prefill_tokens']:,} to prefill"
+    )
+    if info["chunks"] == 1:
+        line += " in 1 chunk"
+    elif info["chunks"]:
+        line += f" in {info['chunks']:,} chunks ({shown} tokens)"
+    if info["logits_source"] == "snapshot":
+        line += "; the whole prompt is in the snapshot, with the logits to start answering"
+    elif info["logits_source"] == "backoff":
+        line += "; the whole prompt is in the snapshot, but its last token is run again for the logits to answer from"
+    return line
 
 
 # -- the block store (kvsnap store ...) ------------------------------------------------------------
@@ -192,7 +253,7 @@ def out() -> Console:
 
 def say(text: str) -> None:
     """A one-line report on stdout, never wrapped (scripts grep it); no markup, so names print as they are."""
-    out().print(text, markup=False, soft_wrap=True)
+    out().print(printable(text), markup=False, soft_wrap=True)
 
 
 def _key_value_table(rows: list[tuple[str, str]]) -> Table:
@@ -200,7 +261,7 @@ def _key_value_table(rows: list[tuple[str, str]]) -> Table:
     table.add_column(style="bold")
     table.add_column()
     for key, value in rows:
-        table.add_row(key, str(value))
+        table.add_row(key, Text(printable(str(value))))  # values quote files and names: no markup
     return table
 
 
@@ -235,7 +296,8 @@ def print_store_sessions(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         blocks = f"{r['blocks']}" if r["present_blocks"] == r["blocks"] else f"{r['present_blocks']}/{r['blocks']}"
         chat = str(r["chat_turns"]) if r["chat_turns"] is not None else "-"
-        table.add_row(r["name"], f"{r['tokens']:,}", blocks, "yes" if r["pinned"] else "", chat, r["model"] or "?")
+        name, model = Text(printable(r["name"])), Text(printable(r["model"] or "?"))  # store text: no markup
+        table.add_row(name, f"{r['tokens']:,}", blocks, "yes" if r["pinned"] else "", chat, model)
     out().print(table)
 
 
@@ -244,7 +306,7 @@ def print_store_tree(path: Any, clock: int, roots: list[dict[str, Any]]) -> None
         note("the store holds no blocks")
         return
     console = out()
-    console.print(f"{path}: last use counts on the store's clock (now {clock:,})", style="dim", markup=False)
+    console.print(printable(f"{path}: last use counts on the store's clock (now {clock:,})"), style="dim", markup=False)
     for root in roots:
         console.print(_render_root(root))
 
@@ -252,7 +314,7 @@ def print_store_tree(path: Any, clock: int, roots: list[dict[str, Any]]) -> None
 def _render_root(root: dict[str, Any]) -> Tree:
     lay = root["layout"]
     label = Text.assemble(
-        (root["model"], "bold"),
+        (printable(root["model"]), "bold"),
         (f"  block size {root['block_size']}, {lay['dtype']}, root {root['root'][:12]}", "dim"),
     )
     top = Tree(label)
@@ -276,7 +338,7 @@ def _render_nodes(parent: Tree, nodes: list[dict[str, Any]]) -> None:
         if node["pins"]:
             label.append(f"  pinned x{node['pins']}", style="yellow")
         if node["sessions"]:
-            label.append("  <- " + ", ".join(node["sessions"]), style="cyan")
+            label.append("  <- " + printable(", ".join(node["sessions"])), style="cyan")
         branch = parent.add(label)
         _render_nodes(branch, node["children"])
         if node.get("hidden_nodes"):

@@ -250,9 +250,10 @@ def test_cli_on_mismatch(tiny_model_dir, tmp_path, kvsnap_home):
     )
     assert go_on.returncode == 0, go_on.stderr
     assert "starting a new conversation" in go_on.stderr
-    with Snapshot(bad) as s:  # the autosave replaced the damaged file with the new conversation
+    # The damaged file is the user's to look at: the new conversation is saved beside it, not over it.
+    assert before == bad.read_bytes()
+    with Snapshot(tmp_path / "bad-2.kv") as s:
         assert s.meta.messages and s.meta.messages[0]["content"] == "hi"
-    assert before != bad.read_bytes()
 
 
 def test_no_pickle_in_the_load_path(llama, tmp_path, monkeypatch):
@@ -301,7 +302,7 @@ def big_model(tmp_path_factory):
 def test_sigkill_during_save_never_leaves_a_broken_snapshot(big_model, tmp_path, kvsnap_home):
     env = {**os.environ, "KVSNAP_HOME": str(kvsnap_home)}
     doc = tmp_path / "doc.txt"
-    doc.write_text("the quick brown fox jumps over the lazy dog 0123456789 " * 140)  # ~3.5k tokens
+    doc.write_text("the quick brown fox jumps over the lazy dog 0123456789 " * 110)  # ~3.7k of 4,096 positions
     base = [
         sys.executable,
         "-m",

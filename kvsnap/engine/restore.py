@@ -6,6 +6,7 @@ commits it whole (``Session._commit``), so a failure leaves the session as it wa
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -110,19 +111,80 @@ def from_store(
     block_size: int,
     codec: str,
     have: int,
+    on_problem: Callable[[str], None] | None = None,
 ) -> Restored | None:
     """The longest prefix of ``prompt_ids`` the block store holds, if it is longer than ``have``
-    tokens (what the session already holds for this prompt); None otherwise."""
+    tokens (what the session already holds for this prompt); None otherwise.
+
+    A stored block that turns out damaged is a miss from there on, not a failure: the store drops it
+    and ``on_problem`` hears one line about it. With ``on_problem``, a store that cannot be read at
+    all (an unreadable index, a full disk) is no store for this request, said in one line; without,
+    its ``StoreError`` is raised."""
+    from kvsnap.errors import StoreError
+
+    def report(line: str) -> None:
+        if on_problem is not None:
+            on_problem(line)
+
     t0 = time.perf_counter()
-    match, blocks = store.fetch(prompt_ids, root, block_size)
-    if match.hit_tokens <= have:
-        return None
-    hit = match.hit_tokens
-    layout = lm.layout
-    restorer = Restorer(layout, hit, lm.device, capacity=len(prompt_ids) + DECODE_ROOM)
-    scratch = np.empty(block_size * layout.bytes_per_token, dtype=np.uint8)
-    for i, block in enumerate(blocks):
-        restorer.write(i * block_size, block_size, block.decode(layout.itemsize, out=scratch))
+    limit = len(prompt_ids)
+    while True:
+        try:
+            match, blocks = store.fetch(prompt_ids[:limit], root, block_size)
+        except StoreError as exc:
+            if on_problem is None:
+                raise
+            on_problem(f"block store not used: {exc}")
+            return None
+        for line in match.dropped:
+            report(line)
+        if match.hit_tokens <= have:
+            return None
+        hit = match.hit_tokens
+        layout = lm.layout
+        restorer = Restorer(layout, hit, lm.device, capacity=len(prompt_ids) + DECODE_ROOM)
+        scratch = np.empty(block_size * layout.bytes_per_token, dtype=np.uint8)
+        try:
+            for i, block in enumerate(blocks):
+                restorer.write(i * block_size, block_size, block.decode(layout.itemsize, out=scratch))
+            break
+        except StoreError as exc:
+            # Its checksum held but it does not decode (an index entry edited by hand): drop it, then
+            # take the blocks before it. The shorter prompt ends the loop even if the drop cannot be saved.
+            line = str(exc)
+            with contextlib.suppress(StoreError):
+                line = store.drop_damaged(blocks[i].record.hash, line)
+            report(line)
+            limit = i * block_size
     encoded = {b.record.hash: b.encoded() for b in blocks if b.record.codec == codec}
     stats = RestoreStats("store", hit, hit, len(blocks), time.perf_counter() - t0)
     return Restored(restorer.finish(lm.config), list(prompt_ids[:hit]), None, encoded, None, stats)
+
+
+def from_store_session(lm: LoadedModel, store: BlockStore, name: str, root: bytes, *, codec: str) -> Restored | None:
+    """Named store session ``name`` whole (tokens, partial tail, messages, last logits); None when the
+    store has no such session. A session recorded under another model, namespace or block size is refused."""
+    from kvsnap.errors import ForeignSnapshotError, StoreError
+
+    if name not in {s.name for s in store.sessions()}:
+        return None
+    t0 = time.perf_counter()
+    chain, record, blocks, logits = store.read_session(name)
+    if record.root != root:
+        raise ForeignSnapshotError(
+            f"store session {name!r} was recorded for another model, namespace or block size "
+            f"({chain.model}, block size {chain.block_size}); use another --store-session name"
+        )
+    if chain.layout != lm.layout:
+        raise StoreError(f"store session {name!r}: cache layout {chain.layout.describe()} is not this model's")
+    layout = lm.layout
+    num_tokens = len(record.token_ids)
+    restorer = Restorer(layout, num_tokens, lm.device, capacity=num_tokens + DECODE_ROOM)
+    scratch = np.empty(chain.block_size * layout.bytes_per_token, dtype=np.uint8)
+    for i, block in enumerate(blocks):
+        restorer.write(i * chain.block_size, len(block.record.token_ids), block.decode(layout.itemsize, out=scratch))
+    encoded = {b.record.hash: b.encoded() for b in blocks if b.record.full and b.record.codec == codec}
+    last = np.frombuffer(logits, dtype="<f4").copy() if logits is not None else None
+    messages = [dict(m) for m in record.messages] if record.messages is not None else None
+    stats = RestoreStats(f"store session {name!r}", num_tokens, num_tokens, len(blocks), time.perf_counter() - t0)
+    return Restored(restorer.finish(lm.config), list(record.token_ids), last, encoded, messages, stats)

@@ -31,6 +31,8 @@ class TurnResult:
     restored_from: str | None = None
     restore_error: str | None = None  # the snapshot was refused and everything recomputed (on_mismatch="recompute")
     store_new_blocks: int | None = None  # blocks this request added to the block store (None: no store)
+    # The block store could not be read or written (or held a damaged block) and this request went on without it.
+    store_error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -13,27 +13,28 @@ earlier turn differently, only the tokens that compare equal are reused.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvsnap import hashing, prefix
+from kvsnap import hashing, limits, prefix
 from kvsnap.config import ON_MISMATCH, SamplingParams, SessionConfig, check_choice
 from kvsnap.engine import restore as restoring
 from kvsnap.engine.cache import KVCache
 from kvsnap.engine.chat_template import render_chat
+from kvsnap.engine.encoded import EncodedBlocks
 from kvsnap.engine.restore import DECODE_ROOM, RestoreStats
 from kvsnap.engine.results import SaveStats, TurnResult
 from kvsnap.engine.runner import Generation, Runner, generate
-from kvsnap.errors import ConfigError, SnapshotError
+from kvsnap.errors import ConfigError, SnapshotError, StoreError
 from kvsnap.format.meta import SnapshotHeader
-from kvsnap.format.writer import encode_block, write_snapshot
+from kvsnap.format.writer import write_snapshot
 from kvsnap.models.load import LoadedModel
-from kvsnap.types import KV_DTYPES, EncodedBlock
+from kvsnap.types import EncodedBlock
 
 if TYPE_CHECKING:
     from kvsnap.store import BlockStore
@@ -70,7 +71,7 @@ class Session:
                 raise ConfigError(str(exc)) from None
         elif settings:
             raise ConfigError("give a SessionConfig or its settings as keywords, not both")
-        self.config = config.check(with_store=store is not None)
+        self.config = config.check(with_store=store is not None).check_layout(lm.layout)
         self.lm = lm
         self.runner = Runner(lm)
         self.store = store
@@ -109,7 +110,7 @@ class Session:
         self.cache = KVCache(self.lm.config)
         self.last_logits: torch.Tensor | None = None
         self.messages: list[dict[str, str]] | None = None
-        self._encoded: dict[bytes, EncodedBlock] = {}
+        self._encoded = EncodedBlocks()
 
     def root(self, block_size: int | None = None) -> bytes:
         return hashing.chain_root(self.lm.fingerprint, self.namespace, block_size or self.block_size)
@@ -130,7 +131,7 @@ class Session:
         self.last_logits = None
         # Blocks past the cut will be recomputed; their encodings must not stand in for the new KV.
         keep = set(hashing.chain_hashes(self.tokens, self.block_size, self.root()))
-        self._encoded = {h: b for h, b in self._encoded.items() if h in keep}
+        self._encoded.keep_only(keep)
 
     @contextlib.contextmanager
     def _rollback_on_error(self) -> Iterator[None]:
@@ -149,7 +150,7 @@ class Session:
         self.pending = []
         logits = state.last_logits
         self.last_logits = torch.from_numpy(logits).to(self.lm.device) if logits is not None else None
-        self._encoded = state.encoded
+        self._encoded = EncodedBlocks(state.encoded)
         self.messages = state.messages
         return state.stats
 
@@ -173,14 +174,21 @@ class Session:
         )
         return self._commit(state)
 
-    def restore_from_store(self, prompt_ids: Sequence[int]) -> RestoreStats | None:
-        """Take the longest prefix of ``prompt_ids`` held in the block store, if it beats what the
-        session already holds for this prompt; returns None when it does not. The model does not run."""
+    def restore_from_store(self, prompt_ids: Sequence[int], on_problem: TextFn | None = None) -> RestoreStats | None:
+        """Take the longest prefix of ``prompt_ids`` held in the block store, if it beats what the session
+        holds for this prompt, else None; the model does not run. ``on_problem``: see ``restore.from_store``."""
         assert self.store is not None
-        have = prefix.common_prefix_len(self.tokens, prompt_ids)
+        have, ids, bs = prefix.common_prefix_len(self.tokens, prompt_ids), prompt_ids, self.block_size
         state = restoring.from_store(
-            self.lm, self.store, prompt_ids, self.root(), block_size=self.block_size, codec=self.codec, have=have
+            self.lm, self.store, ids, self.root(), block_size=bs, codec=self.codec, have=have, on_problem=on_problem
         )
+        return self._commit(state) if state is not None else None
+
+    def restore_store_session(self, name: str) -> RestoreStats | None:
+        """Resume named store session ``name`` whole (messages and KV, zero recompute); None when the
+        store holds no such session."""
+        assert self.store is not None
+        state = restoring.from_store_session(self.lm, self.store, name, self.root(), codec=self.codec)
         return self._commit(state) if state is not None else None
 
     def _chain(self):
@@ -213,16 +221,8 @@ class Session:
             return 0
         blocks = self._blocks_for_store(self.tokens)
         logits = self.last_logits.float().cpu().numpy() if self.last_logits is not None else None
-        return self.store.add_session(
-            name,
-            self._chain(),
-            self.tokens,
-            blocks,
-            codec=self.codec,
-            level=self.level,
-            messages=self.messages,
-            last_logits=logits,
-        ).new_blocks
+        kw: dict[str, Any] = dict(codec=self.codec, level=self.level, messages=self.messages, last_logits=logits)
+        return self.store.add_session(name, self._chain(), self.tokens, blocks, **kw).new_blocks
 
     # -- prefill and decode -------------------------------------------------------------------
 
@@ -286,13 +286,16 @@ class Session:
         on_progress: ProgressFn | None = None,
         on_mismatch: str = "error",
         store_session: str | None = None,
+        on_generated: Callable[[Generation | None], None] | None = None,
     ) -> TurnResult:
         """The whole path for one prompt: restore -> prefill the suffix -> decode.
 
         ``on_mismatch="recompute"`` turns a refused snapshot (damaged, foreign, too new) into a
         cold run that says why in ``restore_error``; the default raises the ``SnapshotError``.
+        ``on_generated(gen)`` is called once decoding is done, before anything is written to the store.
         """
         check_choice("on_mismatch", on_mismatch, ON_MISMATCH)
+        limits.check_tokens(len(prompt_ids), self.lm.max_positions)  # before any restore or prefill work
         t0 = time.perf_counter()
         restored = None
         restore_error = None
@@ -303,15 +306,21 @@ class Session:
                 if on_mismatch == "error":
                     raise
                 restore_error = str(exc)
-        store_hit = self.restore_from_store(prompt_ids) if self.store is not None else None
+        store_problems: list[str] = []  # a store that cannot be read or written is no store for this request
+        store_hit = self.restore_from_store(prompt_ids, store_problems.append) if self.store is not None else None
         t1 = time.perf_counter()
         plan, seen = self.prefill(prompt_ids, on_progress)
         t2 = time.perf_counter()
         gen = self.generate(params, on_text) if params.max_new_tokens > 0 else None
         t3 = time.perf_counter()
+        if on_generated is not None:
+            on_generated(gen)
         store_new = None
         if self.store is not None:
-            store_new = self.store_session(store_session) if store_session is not None else self.store_blocks()
+            try:
+                store_new = self.store_session(store_session) if store_session is not None else self.store_blocks()
+            except StoreError as exc:
+                store_problems.append(f"block store not updated: {exc}")
         first = gen.first_token_at if gen is not None else None
         return TurnResult(
             **prefix.Ledger.of(plan, seen).as_dict(),
@@ -327,6 +336,7 @@ class Session:
             restored_from="store" if store_hit is not None else (str(resume) if restored is not None else None),
             restore_error=restore_error,
             store_new_blocks=store_new,
+            store_error="; ".join(store_problems) or None,
         )
 
     # -- chat --------------------------------------------------------------------------------
@@ -353,48 +363,47 @@ class Session:
         if not messages and system:
             messages.append({"role": "system", "content": system})
         messages.append({"role": "user", "content": user_text})
-        result = self.run(self.render_chat(messages), params, on_text=on_text, on_progress=on_progress)
-        messages.append({"role": "assistant", "content": result.text})
-        self.messages = messages
+        before_tokens, before_messages = list(self.tokens), self.messages
+
+        def keep(gen: Generation | None) -> None:
+            # The answer joins the conversation as soon as it exists: an interrupt after this point (the
+            # store write) cannot leave the KV holding an answer the messages lack.
+            self.messages = [*messages, {"role": "assistant", "content": gen.text if gen is not None else ""}]
+
+        try:
+            result = self.run(
+                self.render_chat(messages), params, on_text=on_text, on_progress=on_progress, on_generated=keep
+            )
+        except BaseException:
+            if self.messages is before_messages:
+                # No answer was kept (an error, or Ctrl-C before it): the conversation stays as it was
+                # before this turn, and the KV holds nothing the messages do not.
+                self.pending = []
+                self._truncate(prefix.common_prefix_len(before_tokens, self.tokens))
+            raise
         if self.store is not None and store_session is not None:
-            self.store_session(store_session)
+            try:
+                self.store_session(store_session)
+            except StoreError as exc:
+                result = dataclasses.replace(
+                    result, store_error=result.store_error or f"block store not updated: {exc}"
+                )
         return result
 
     # -- save --------------------------------------------------------------------------------
 
     def _encode_blocks(self, tokens: Sequence[int], first: int = 0) -> tuple[list[EncodedBlock], int]:
-        """Blocks ``first``.. of ``tokens`` (whose KV is in the cache) as stored, and how many had to be
-        encoded: blocks compressed earlier in the session (or read from a snapshot) are reused as
-        they are, the rest are encoded in parallel threads."""
-        bs = self.block_size
-        n = len(tokens)
-        hashes = hashing.chain_hashes(tokens, bs, self.root())
-        blocks: list[EncodedBlock | None] = []
-        todo: list[tuple[int, int, int, bytes | None]] = []
-        for i in range(first, -(-n // bs)):
-            start, end = i * bs, min((i + 1) * bs, n)
-            h = hashes[i] if i < len(hashes) else None
-            cached = self._encoded.get(h) if h is not None else None
-            if cached is not None and cached.origin is not None and not cached.still_valid():
-                cached = None  # a view of a file someone changed in place since it was read: encode afresh
-            blocks.append(cached)
-            if cached is None:
-                todo.append((i - first, start, end, h))
-        itemsize = KV_DTYPES[self.storage_dtype]
-
-        def encode(job: tuple[int, int, int, bytes | None]) -> EncodedBlock:
-            _, start, end, h = job
-            raw = self.cache.block_raw(start, end, self.storage_dtype)
-            return encode_block(raw, end - start, h, itemsize, self.codec, self.level, self.storage_dtype)
-
-        with ThreadPoolExecutor(max_workers=_ENCODE_WORKERS) as pool:
-            for (i, *_), block in zip(todo, pool.map(encode, todo)):
-                blocks[i] = block
-                if block.hash is not None:
-                    self._encoded[block.hash] = block
-        final = [b for b in blocks if b is not None]
-        assert len(final) == len(blocks)
-        return final, len(todo)
+        """Blocks ``first``.. of ``tokens`` as stored, and how many had to be encoded now."""
+        return self._encoded.encode(
+            self.cache,
+            tokens,
+            first,
+            block_size=self.block_size,
+            root=self.root(),
+            codec=self.codec,
+            level=self.level,
+            storage_dtype=self.storage_dtype,
+        )
 
     def save(self, path: str | Path) -> SaveStats:
         """Write the session (every token, prompt and generated) to a ``.kv`` file, atomically.
@@ -421,7 +430,7 @@ class Session:
             extra={"model_folder": str(Path(self.lm.folder).resolve())},
         )
         size = write_snapshot(path, header, self.tokens, final, last_logits=logits, messages=self.messages)
-        self._encoded = {b.hash: b for b in final if b.hash is not None}
+        self._encoded.keep_only({b.hash for b in final if b.hash is not None}, keep_tail=True)
         return SaveStats(
             path=str(path),
             tokens=n,
