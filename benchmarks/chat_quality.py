@@ -26,12 +26,10 @@ QUESTIONS = [
     ("What is the capital of Japan?", ("tokyo",)),
     ("Which planet is the largest in our solar system?", ("jupiter",)),
     ("Who wrote Romeo and Juliet?", ("shakespeare",)),
-    ("How many days are there in a week?", ("seven", "7")),
 ]
 SETTINGS = {
     "t0.7 p0.95 (old default)": dict(temperature=0.7, top_p=0.95),
     "t0.2 p0.9": dict(temperature=0.2, top_p=0.9),
-    "t0.3 p0.9 k40": dict(temperature=0.3, top_p=0.9, top_k=40),
     "greedy": dict(temperature=0.0),
 }
 
@@ -39,7 +37,7 @@ SETTINGS = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=20)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--settings", nargs="*", default=list(SETTINGS))
     args = parser.parse_args()
@@ -72,6 +70,7 @@ def main() -> None:
                 "seconds": round(time.perf_counter() - t0, 1),
             }
         )
+        print(f"{name}: {rows[-1]['correct']:.0%} of {total} correct", flush=True)
     info = machine()
     print(describe(info))
     cols = [

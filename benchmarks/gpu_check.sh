@@ -52,6 +52,9 @@ step() {
     [ "$s" -eq 0 ] || status=$s
 }
 step $py benchmarks/cuda_check.py --model "$model" --tokens $check
+# The load-or-recompute cost model (--reuse auto) as measured there (the library only: no typer there).
+step $py -c "import json, sys; from kvsnap.models import load_model; from kvsnap.engine.calibrate import calibrate
+print(json.dumps(calibrate(load_model(sys.argv[1])).to_json()))" "$model"
 # shellcheck disable=SC2086
 step $py benchmarks/resume.py --model "$model" --lengths $lengths --repeats 2
 # shellcheck disable=SC2086

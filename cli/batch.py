@@ -148,8 +148,12 @@ def parse_jobs(lines: Iterable[str | bytes], defaults: SamplingParams) -> Iterat
             # A number JSON cannot hold (1e400, NaN, Infinity) stays the text it was written as:
             # an id keeps its spelling and the output stays strict JSON; a setting is refused.
             raw = json.loads(line, parse_float=_finite_or_text, parse_constant=str)
-        except (ValueError, RecursionError) as exc:
-            yield (n, f"line {n}: not valid JSON ({exc})")
+        except json.JSONDecodeError as exc:
+            # No id can be read from the line: the row says which line, and its id is null.
+            yield (None, f"line {n}: not valid JSON ({exc.msg} at column {exc.colno})")
+            continue
+        except (ValueError, RecursionError):
+            yield (None, f"line {n}: not valid JSON (nested too deeply)")
             continue
         try:
             job = job_from_dict(raw, default_id=n)
@@ -166,15 +170,21 @@ def _finite_or_text(text: str) -> float | str:
 
 def prompt_ids(session, job: Job) -> list[int]:
     """Token ids of a job's prompt: raw text, or chat-template-rendered messages."""
-    if job.messages is not None:
-        return session.render_chat(job.messages)
-    text = (read_prompt_file(job.prompt_file) if job.prompt_file else "") + (job.prompt or "")
-    if job.chat:
-        messages = ([{"role": "system", "content": job.system}] if job.system else []) + [
-            {"role": "user", "content": text}
-        ]
+    messages = job_messages(job)
+    if messages is not None:
         return session.render_chat(messages)
+    text = (read_prompt_file(job.prompt_file) if job.prompt_file else "") + (job.prompt or "")
     return encode_text(session.lm.tokenizer, text)
+
+
+def job_messages(job: Job) -> list[dict[str, str]] | None:
+    """The chat messages a job's prompt renders (its own, or --chat's system and user message); None for raw text."""
+    if job.messages is not None:
+        return [dict(m) for m in job.messages]
+    if not job.chat:
+        return None
+    text = (read_prompt_file(job.prompt_file) if job.prompt_file else "") + (job.prompt or "")
+    return ([{"role": "system", "content": job.system}] if job.system else []) + [{"role": "user", "content": text}]
 
 
 def encode_text(tokenizer, text: str) -> list[int]:
@@ -209,6 +219,7 @@ def run_job(
         on_progress=on_progress,
         on_mismatch=on_mismatch,
         store_session=store_session,
+        prompt_messages=job_messages(job) if session.config.explain else None,
     )
     row: dict[str, Any] = {"id": job.id, **result.to_dict()}
     if missing:

@@ -59,7 +59,10 @@ def chat(
     ] = False,
     on_mismatch: Annotated[
         str,
-        typer.Option(help="If the --resume snapshot is refused: ask (error when not a terminal), error, recompute."),
+        typer.Option(
+            help="If the --resume snapshot is refused: ask (error when not a terminal), error, recompute. If its KV "
+            "fails the --verify check, ask and recompute keep the conversation and compute its KV again."
+        ),
     ] = "ask",
     system: Annotated[str | None, typer.Option(help="System message for a new conversation.")] = None,
     *,
@@ -82,7 +85,7 @@ def chat(
     if opts.store_session is not None and opts.store is None:
         raise ConfigError("--store-session needs --store DIR")
     opts.sampling()  # a bad flag is refused before the model loads
-    session = open_session(opts, session_config)
+    session = open_session(opts, session_config, reuses=resume is not None)
     params = opts.sampling(model_defaults=session.lm.sampling_defaults)
     autosave = save or resume
     interactive = sys.stdin.isatty()
@@ -98,11 +101,13 @@ def chat(
             ui.note(ui.resume_line(stats, recomputed=0))
             _describe_history(session, resume, autosave)
             seen = Held.of(session.tokens, session.messages) if autosave == resume else None
+            _verify(session, stats, on_mismatch, interactive)
     elif opts.store_session is not None:
         stats = session.restore_store_session(opts.store_session)
         if stats is not None:
             ui.note(ui.resume_line(stats, recomputed=0))
             _describe_history(session, None, autosave)
+            _verify(session, stats, on_mismatch, interactive)
     keeping = Keeping(AutosaveTarget(autosave, seen=seen) if autosave is not None else None, opts.store_session, force)
     _say_where(keeping, opts.store)
     if interactive:
@@ -159,6 +164,11 @@ def _turn(text: str, session, params, keeping: Keeping, interactive: bool, syste
         if result.stop_reason == "interrupted":
             ui.note("(answer interrupted: the conversation keeps the part shown)")
         ui.note(ui.turn_stats(result))
+        if result.verify is not None:
+            ui.note(ui.verify_line(result.to_dict()))
+        if result.miss is not None and result.miss["cause"] != "none":  # --explain: a turn reused less than it held
+            for line in ui.miss_lines(result.miss):
+                ui.note(line)
         if result.store_error:
             ui.note(f"warning: {result.store_error}")
     if keeping.target is not None:
@@ -172,6 +182,26 @@ def _describe_history(session, path: Path | None, autosave: Path | None) -> None
     elif path is not None:
         kept = f"; {path} is replaced only by a conversation that continues it" if autosave == path else ""
         ui.note(f"{path} has no chat history: its tokens are reused where the conversation matches them{kept}")
+
+
+def _verify(session, stats, policy: str, interactive: bool) -> None:
+    """Spot check the resumed KV (--verify, or by default when other versions or another device made it).
+    A mismatch keeps the conversation and computes its KV again on the next turn (--on-mismatch recompute,
+    or ask in a terminal: nothing is lost), else it is an error."""
+    from kvsnap.engine.verify import check
+    from kvsnap.errors import VerifyError
+
+    mode = "recompute" if policy == "recompute" or (policy == "ask" and interactive) else "error"
+    try:
+        report = check(session, stats, session.config.verify, mode)
+    except VerifyError as exc:
+        raise VerifyError(f"{exc} (--on-mismatch recompute computes the conversation's KV again)") from None
+    if report is None:
+        return
+    if report.refused is not None:
+        ui.note(f"{report.refused}: the conversation is kept and its KV computed again on the next turn")
+    else:
+        ui.note(ui.verify_line(report.ledger()))
 
 
 def _say_where(keeping: Keeping, store: Path | None) -> None:

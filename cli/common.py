@@ -60,11 +60,19 @@ def open_store(path, budget: str | None):
     return store
 
 
-def open_session(opts: SessionOptions, session_config: SessionConfig | None = None):
-    """The Session ``chat`` and ``run`` work with: settings checked, the block store opened, then the model loaded."""
+def open_session(opts: SessionOptions, session_config: SessionConfig | None = None, *, reuses: bool = False):
+    """The Session ``chat`` and ``run`` work with: settings checked, the block store opened, then the model
+    loaded. ``reuses``: a stored prefix may be loaded (--resume, --store, a batch), so ``--reuse auto``
+    needs this machine's cost model: measured now, once, with progress, rather than silently mid-request."""
     from kvsnap.engine.session import Session
 
     session_config = session_config or opts.session_config()
     block_store = open_store(opts.store, opts.store_budget)
     lm = ui.load_model(opts.model, opts.device, opts.dtype, check_layout=session_config.check_layout)
+    if session_config.reuse == "auto" and (reuses or block_store is not None):
+        from kvsnap.engine.calibrate import cost_model
+
+        if cost_model(lm, measure=False) is None:
+            with ui.status("calibrating load vs recompute (once per machine)") as update:
+                cost_model(lm, progress=update)
     return Session(lm, session_config, store=block_store)

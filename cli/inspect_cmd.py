@@ -19,18 +19,31 @@ def inspect(
     prompt: Annotated[str | None, typer.Option(help="Show what this raw prompt would reuse.")] = None,
     prompt_file: Annotated[Path | None, typer.Option(help="Read the prompt from a file (then --prompt).")] = None,
     chunk_size: Annotated[int, typer.Option(min=1, help="Chunk size for the suffix plan.")] = DEFAULT_CHUNK_SIZE,
+    run_model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            "-m",
+            help="With a prompt: also check that this model (and --namespace) would key its KV as the file does, "
+            "and say which fingerprint part differs if not (reads its folder; no model is loaded).",
+        ),
+    ] = None,
+    namespace: Annotated[str, typer.Option(help="The namespace a run would use (with --model).")] = "",
     verify: Annotated[
         bool, typer.Option("--verify", metavar="", help="Check every block's checksum and decoding.")
     ] = False,
     json_out: Json = False,
 ) -> None:
-    """Show a snapshot: model, tokens, blocks, sizes, codec, chat turns; with a prompt, its hit stats."""
+    """Show a snapshot: model, tokens, blocks, sizes, codec, chat turns, the versions that made it; with a
+    prompt, its hit stats and where and why reuse stops (the first differing token, the text around it, a likely
+    cause)."""
     from cli.batch import check_text, read_prompt_file
     from kvsnap import describe
     from kvsnap.errors import ConfigError
     from kvsnap.format.reader import Snapshot
 
     check_text("--prompt", prompt)
+    check_text("--namespace", namespace)
     with Snapshot(file) as snap:
         model = snap.meta.model
         hint = snap.meta.extra.get("model_folder")
@@ -43,7 +56,16 @@ def inspect(
             raise ConfigError(f"the tokenizer of {model} is not on this machine (run: kvsnap pull {model})")
         text = (read_prompt_file(str(prompt_file)) if prompt_file else "") + (prompt or "")
         prompt_ids = tokenizer.encode(text)
-    info = describe.describe(file, prompt_ids=prompt_ids, chunk_size=chunk_size, verify=verify, tokenizer=tokenizer)
+    running = None
+    if run_model is not None and prompt_ids is not None:
+        from kvsnap.explain import running_model
+
+        running = running_model(run_model, namespace)
+        if running is None:
+            raise ConfigError(f"model {run_model} is not on this machine (run: kvsnap pull {run_model})")
+    info = describe.describe(
+        file, prompt_ids=prompt_ids, chunk_size=chunk_size, verify=verify, tokenizer=tokenizer, running=running
+    )
     if why is not None:
         info["no_preview"] = f"{why}; no text preview"
     if json_out:

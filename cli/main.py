@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from cli import chat, inspect_cmd, pull, run, store_cmd
+from cli import calibrate_cmd, chat, inspect_cmd, pull, run, serve, store_cmd
 from cli.common import state
 
 app = typer.Typer(
@@ -59,8 +59,10 @@ def unwrap(doc: str | None) -> str:
 commands = (
     ("chat", chat.chat),
     ("run", run.run),
+    ("serve", serve.serve),
     ("inspect", inspect_cmd.inspect),
     ("pull", pull.pull),
+    ("calibrate", calibrate_cmd.calibrate),
 )
 for name, command in commands:
     app.command(name, help=unwrap(command.__doc__))(command)

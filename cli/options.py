@@ -42,6 +42,32 @@ Codec = Annotated[
         "of the raw size; named in the file)."
     ),
 ]
+Reuse = Annotated[
+    str,
+    typer.Option(
+        help="A stored prefix (--resume, --store): load it, recompute it, or auto: load only where loading is "
+        "measured faster on this machine (calibrated once; `kvsnap calibrate` measures again).",
+    ),
+]
+Verify = Annotated[
+    bool | None,
+    typer.Option(
+        "--verify/--no-verify",
+        help="After a restore, recompute the last restored block and compare its K/V and next-token logits "
+        "with the restored ones; beyond the dtype's tolerance the reuse is refused (--on-mismatch). "
+        "Default: only when the versions or device that made the KV differ from these (one block's prefill).",
+        show_default=False,
+    ),
+]
+Explain = Annotated[
+    bool,
+    typer.Option(
+        "--explain",
+        metavar="",
+        help="Say where reuse stopped and why (the JSON ledger's `miss`): the first differing token, the text "
+        "around it, and a likely cause (system message, chat template, tokenization, model, namespace).",
+    ),
+]
 Stop = Annotated[list[str] | None, typer.Option("--stop", help="Stop generating at this string (repeatable).")]
 Resume = Annotated[Path | None, typer.Option(help="Snapshot (.kv) to reuse as the prefix cache.")]
 ResumeIfExists = Annotated[
@@ -102,10 +128,13 @@ class SessionOptions:
     block_size: int
     codec: str
     kv_dtype: str | None
+    reuse: str
     namespace: str
     store: Path | None
     store_budget: str | None
     store_session: str | None
+    verify: bool | None
+    explain: bool
 
     defaults: SamplingParams = config.RUN_SAMPLING  # what an unset sampling flag falls back to
 
@@ -128,6 +157,9 @@ class SessionOptions:
             namespace=self.namespace,
             codec=self.codec,
             kv_dtype=self.kv_dtype,
+            reuse=self.reuse,
+            verify=self.verify,
+            explain=self.explain,
         )
         return cfg.check(with_store=self.store is not None)
 
@@ -162,9 +194,12 @@ def _shared(sampling: SamplingParams, model_defaults: bool) -> list[tuple[str, A
         ("store", Store, None),
         ("store_budget", StoreBudget, None),
         ("store_session", StoreSession, None),
+        ("verify", Verify, None),
+        ("explain", Explain, False),
         ("block_size", BlockSize, config.DEFAULT_BLOCK_SIZE),
         ("codec", Codec, config.DEFAULT_CODEC),
         ("kv_dtype", KvDtype, None),
+        ("reuse", Reuse, "auto"),
         ("device", Device, config.DEFAULT_DEVICE),
         ("dtype", Dtype, config.DEFAULT_DTYPE),
     ]

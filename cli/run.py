@@ -31,7 +31,11 @@ def run(
     resume: o.Resume = None,
     resume_if_exists: o.ResumeIfExists = False,
     on_mismatch: Annotated[
-        str, typer.Option(help="When --resume's snapshot is refused: error (default) or recompute from scratch.")
+        str,
+        typer.Option(
+            help="When --resume's snapshot is refused, or reused KV fails the --verify check: error (default) "
+            "or recompute from scratch."
+        ),
     ] = "error",
     save: o.Save = None,
     json_out: o.Json = False,
@@ -80,7 +84,7 @@ def run(
     if batch is not None:
         # Bytes, line by line: each line is decoded on its own, so one bad line is one error row.
         lines = read_lines(sys.stdin.buffer if str(batch) == "-" else _open_batch(batch))
-    session = open_session(opts, session_config)
+    session = open_session(opts, session_config, reuses=resume is not None or batch is not None)
 
     if batch is None:
         job = Job(
@@ -117,6 +121,10 @@ def run(
             if row["text"] and not row["text"].endswith("\n"):
                 ui.emit("\n")
             ui.note(_stats_line(row))
+            if row.get("verify"):
+                ui.note(ui.verify_line(row))
+            for line in ui.miss_lines(row["miss"]) if row.get("miss") else ():
+                ui.note(line)
         return
 
     failed = 0

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from cli import ui
+from cli import store_explain, ui
 from cli.common import guarded
 
 if TYPE_CHECKING:
@@ -128,6 +128,11 @@ def _annotate(nodes: list[dict[str, Any]], tok: LightTokenizer | None, depth: in
 
 def _count(nodes: list[dict[str, Any]]) -> int:
     return sum(1 + _count(n["children"]) for n in nodes)
+
+
+# -- explain (cli/store_explain.py) --------------------------------------------------------------
+
+app.command("explain")(store_explain.explain)
 
 
 # -- upkeep --------------------------------------------------------------------------------------

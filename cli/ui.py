@@ -163,6 +163,12 @@ def save_line(stats: Any) -> str:
     )
 
 
+def _made_by(made_by: dict[str, str] | None) -> str:
+    from kvsnap.provenance import describe
+
+    return describe(made_by) if made_by else "not recorded (a resume spot checks one block)"
+
+
 def _narrower(info: dict[str, Any]) -> str:
     stored = info.get("storage_dtype")
     if stored and stored != info["layout"]["dtype"]:
@@ -200,6 +206,8 @@ def print_inspect(info: dict[str, Any]) -> None:
     ]
     if info.get("chat_turns") is not None:
         rows.append(("chat", f"{info['chat_turns']} messages"))
+    if "made_by" in info:
+        rows.append(("made by", _made_by(info["made_by"])))
     if "verified" in info:
         rows.append(("integrity", "all blocks verified" if info["verified"] else "; ".join(info["problems"])))
     if info.get("no_preview"):
@@ -215,6 +223,8 @@ def print_inspect(info: dict[str, Any]) -> None:
         console.print(Text.assemble((f"  {printable(m['role'])}:", "dim"), " ", printable(content)))
     if "prompt_tokens" in info:
         console.print(Text.assemble(("prompt", "bold"), " ", prompt_plan(info)), soft_wrap=True)
+    for line in miss_lines(info["miss"]) if info.get("miss") else ():
+        console.print(Text(line), soft_wrap=True)  # already escaped; Text: no markup
 
 
 def prompt_plan(info: dict[str, Any]) -> str:
@@ -235,6 +245,53 @@ def prompt_plan(info: dict[str, Any]) -> str:
     elif info["logits_source"] == "backoff":
         line += "; the whole prompt is in the snapshot, but its last token is run again for the logits to answer from"
     return line
+
+
+# -- why a reuse missed, whether it was right (--explain, --verify) ------------------------------------
+
+
+def miss_lines(miss: dict[str, Any]) -> list[str]:
+    """Where reuse stopped and why, then the text on both sides of it (from » on, each side's own)."""
+    source = miss["source"]
+    if miss["cause"] == "none":
+        return [f"nothing missed: {miss['why']}"]
+    if source == "store":
+        reused = f"{miss['reused_tokens']:,} prompt tokens reused from the store"
+    else:
+        reused = f"{miss['reused_tokens']:,} of {miss['source_tokens']:,} {source} tokens reused"
+    chain = miss["cause"] in ("model", "block_size", "namespace")  # nothing of it is reused, whatever the tokens
+    if miss["position"] is None:
+        return [f"{reused}: {miss['why']}" + ("; the tokens agree as far as both go" if chain else "")]
+    where = f"token {miss['position']:,} (block {miss['block']:,}, {miss['block_size']}-token blocks)"
+    if chain:
+        lines = [f"{reused}: {miss['why']}", f"  and the tokens part at {where}:"]
+    else:
+        lines = [f"reuse stopped at {where}, {reused}: {miss['why']}"]
+    if miss.get("where"):
+        lines.append(f"  closest stored prefix: {miss['where']}")
+    width = max(len(source), len("prompt"))
+    for name, after in ((source, miss["source_after"]), ("prompt", miss["prompt_after"])):
+        lines.append(f"  {name:<{width}}: ...{_shown(miss['before'])}»{_shown(after)}...")
+    if miss["cause"] in ("tokenization", "template"):
+        sides = ((source, miss["source_next"]), ("prompt", miss["prompt_next"]))
+        pieces = [f"{name} {' | '.join(map(repr, tokens))}" for name, tokens in sides]
+        lines.append(f"  {'tokens':<{width}}: {'; '.join(pieces)}")
+    return lines
+
+
+def _shown(text: str) -> str:
+    return printable(text.replace("\n", "\\n").replace("\t", "\\t"))
+
+
+def verify_line(row: dict[str, Any]) -> str:
+    """One line on a spot check of reused KV (--verify, or automatic after a version change)."""
+    v = row["verify"]
+    verdict = "passed" if v["passed"] else "refused, recomputed"
+    return (
+        f"verified block {v['block']:,} ({v['reason']}): K/V max |diff| {row['verify_max_abs_diff']:.3g} "
+        f"(allowed {v['max_abs_allowed']:.3g}), logits {v['logits_max_abs_diff']:.3g} "
+        f"(allowed {v['logits_max_abs_allowed']:.3g}); {verdict}; {v['tokens']} tokens, {row['verify_s']:.3f} s"
+    )
 
 
 # -- the block store (kvsnap store ...) ------------------------------------------------------------

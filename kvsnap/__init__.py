@@ -28,6 +28,7 @@ from kvsnap.errors import (
     SnapshotVersionError,
     StoreError,
     UnsupportedModelError,
+    VerifyError,
 )
 
 __version__ = "0.1.0"
@@ -56,6 +57,7 @@ __all__ = [
     "SaveError",
     "StoreError",
     "UnsupportedModelError",
+    "VerifyError",
     *_LAZY,
 ]
 

@@ -9,13 +9,16 @@ import (hundreds of MB and seconds for a look at a file).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvsnap import prefix
+from kvsnap import explain, prefix, provenance
 from kvsnap.config import DEFAULT_CHUNK_SIZE, DEFAULT_MODEL
 from kvsnap.format.meta import _one_line
 from kvsnap.format.reader import Snapshot
 from kvsnap.models.resolve import kvsnap_home
+
+if TYPE_CHECKING:
+    from kvsnap.explain import Running
 
 NO_TOKENIZER_JSON = "tokenizer.json not found"
 
@@ -49,17 +52,8 @@ def locate_tokenizer(model: str, folder_hint: str | None = None) -> tuple[LightT
     record, so models known by another name are found too. The reason is ``None`` when no model
     folder is found at all.
     """
-    candidates = []
-    if model == DEFAULT_MODEL:
-        candidates.append(kvsnap_home() / "models" / DEFAULT_MODEL)
-    else:
-        candidates.append(Path(model).expanduser())
-    if folder_hint:
-        candidates.append(Path(folder_hint))
     why = None
-    for folder in candidates:
-        if not (folder / "config.json").is_file():
-            continue
+    for folder in _candidates(model, folder_hint):
         if not (folder / "tokenizer.json").is_file():  # is_file: a FIFO there would hang the load
             why = f"{NO_TOKENIZER_JSON} in {folder}"
             continue
@@ -70,6 +64,20 @@ def locate_tokenizer(model: str, folder_hint: str | None = None) -> tuple[LightT
     return None, why
 
 
+def _candidates(model: str, folder_hint: str | None = None) -> list[Path]:
+    """Model folders on this machine that ``model`` (or the folder a snapshot recorded) may name."""
+    found = [kvsnap_home() / "models" / DEFAULT_MODEL if model == DEFAULT_MODEL else Path(model).expanduser()]
+    if folder_hint:
+        found.append(Path(folder_hint))
+    return [f for f in found if (f / "config.json").is_file()]
+
+
+def model_folder(model: str, folder_hint: str | None = None) -> Path | None:
+    """The folder of ``model`` if it is on this machine (never converts or downloads)."""
+    found = _candidates(model, folder_hint)
+    return found[0] if found else None
+
+
 def describe(
     path: str | Path,
     *,
@@ -78,8 +86,11 @@ def describe(
     verify: bool = False,
     tokenizer: LightTokenizer | None = None,
     preview_tokens: int = 24,
+    running: Running | None = None,
 ) -> dict[str, Any]:
-    """A JSON-able description of a snapshot; with ``prompt_ids``, the hit stats and chunk plan."""
+    """A JSON-able description of a snapshot; with ``prompt_ids``, the hit stats and chunk plan, and
+    with a tokenizer too, where and why reuse stops (``miss``; ``running`` adds the model's and
+    namespace's check, see ``explain``)."""
     with Snapshot(path) as snap:
         meta = snap.meta
         info: dict[str, Any] = {
@@ -102,6 +113,7 @@ def describe(
             "last_logits": meta.logits_checksum is not None,
             "chat_turns": len(meta.messages) if meta.messages is not None else None,
             "created_at": meta.created_at,
+            "made_by": provenance.parse(meta.extra.get("made_by")),
         }
         if meta.messages is not None:
             info["messages"] = [dict(m) for m in meta.messages]
@@ -124,4 +136,6 @@ def describe(
                 blocks_to_read=match.num_blocks,
                 logits_source=plan.logits_source,
             )
+    if prompt_ids is not None and tokenizer is not None:
+        info["miss"] = explain.against_snapshot(path, prompt_ids, tokenizer.decode, running).as_dict()
     return info

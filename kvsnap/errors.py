@@ -23,6 +23,10 @@ class ForeignSnapshotError(SnapshotError):
     """The snapshot was written for another model, dtype, block size or namespace."""
 
 
+class VerifyError(SnapshotError):
+    """Reused KV (a snapshot's or the store's) differs from what the running model computes for it."""
+
+
 class SaveError(KvsnapError, OSError):
     """A snapshot could not be written (missing folder, no space, permissions). The previous file is intact.
 

@@ -63,6 +63,13 @@ def kvsnap_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.environ["KVSNAP_HOME"] = old
 
 
+@pytest.fixture(autouse=True)
+def own_calibration(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test its own cost-model folder (--reuse auto): a tiny model measured by one test (where a
+    prefill is cheaper than a restore) must not make another test's resume recompute instead of load."""
+    monkeypatch.setenv("KVSNAP_CALIBRATION", str(tmp_path_factory.mktemp("calibration")))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """``tiny_model_dir(arch)``: the folder of the tiny ``arch`` model, built on first use."""

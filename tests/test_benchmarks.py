@@ -103,3 +103,27 @@ def test_shaped_model_has_the_shapes_and_tokenizer_of_its_source(tmp_path, tiny_
     assert a.layout == b.layout and a.fingerprint_parts["tokenizer"] == b.fingerprint_parts["tokenizer"]
     assert a.fingerprint_parts["weights"] != b.fingerprint_parts["weights"]
     assert a.tokenizer("river city")["input_ids"] == b.tokenizer("river city")["input_ids"]
+
+
+def test_serve_benchmark_reuses_across_a_restart_only_with_the_store(bench, tiny_model_dir):
+    args = ("--model", str(tiny_model_dir("llama")), "--device", "cpu", "--block-size", "16", "--max-tokens", "2")
+    out, data = bench("serve", *args)
+    assert out.startswith("machine: ")
+    on, off = data["store_on"], data["store_off"]
+    assert len(on) == 12 and [r["prompt"] for r in on] == [r["prompt"] for r in off]
+    # The first request after the restart: the store still holds its conversation; memory holds only
+    # the warm-up request, which shares a token or two of the chat template with it.
+    first = next(i for i, r in enumerate(on) if r["after_restart"])
+    assert on[first]["cached"] >= on[first - 3]["prompt"] // 16 * 16 > 0 and off[first]["cached"] < 16
+    assert data["totals"]["after"]["cached_on"] > data["totals"]["after"]["cached_off"]
+    assert all(r["ttft_s"] > 0 for r in on + off)
+
+
+def test_chat_quality_benchmark(bench, tiny_model_dir):
+    out, data = bench(
+        "chat_quality", "--model", str(tiny_model_dir("llama")), "--seeds", "2", "--max-new-tokens", "4",
+        "--settings", "greedy", "t0.2 p0.9",
+    )  # fmt: skip
+    rows = {r["setting"]: r for r in data["rows"]}
+    assert rows["greedy"]["answers"] == 5 and rows["t0.2 p0.9"]["answers"] == 10  # greedy needs one seed
+    assert all(0 <= r["correct"] <= 1 for r in rows.values()) and "correct" in out

@@ -182,3 +182,27 @@ def test_check_supported(config):
             kvcache.check_supported(cfg)
     with pytest.raises(UnsupportedModelError, match="encoder-decoder"):
         kvcache.check_supported(T5Config(num_layers=1, d_model=16, d_kv=4, num_heads=2, d_ff=32))
+
+
+@pytest.mark.parametrize("slots", [1, 2, 4])
+def test_the_staging_ring_restores_what_the_direct_path_does(slots):
+    """The GPU path (blocks staged through a ring of a few host slots, then copied to the device)
+    runs here with the CPU as the device: same bits as the direct path, in any order, from many
+    threads, and never more staging than ``slots`` blocks."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    config = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32)
+    layout = kvcache.layout_of(config, torch.float32)
+    total, bs = 70, 8
+    buf = torch.randn(2, 2, 2, total, 8)
+    raws, sizes = blocks_of(kvcache.cache_from_buffer(config, buf), total, bs)
+    direct = kvcache.restore_cache(config, layout, raws, sizes, total, torch.device("cpu"))
+    ring = kvcache.Restorer(layout, total, torch.device("cpu"), block_tokens=bs, ring_slots=slots)
+    starts = [i * bs for i in range(len(raws))]
+    writable = [bytearray(r) for r in raws]
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: ring.write(starts[i], sizes[i], writable[i]), reversed(range(len(raws)))))
+    restored = ring.finish(config)
+    assert ring.staging_bytes == slots * bs * layout.bytes_per_token
+    for a, b in zip(direct.layers, restored.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

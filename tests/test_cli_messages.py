@@ -119,3 +119,22 @@ def test_a_snapshot_of_another_model_names_both(tiny_model_dir, tmp_path):
     result = invoke("run", *base(qwen), "--prompt", "hello", "--resume", str(snap))
     assert result.exit_code == 1
     assert llama in result.stderr and qwen in result.stderr or "another model" in result.stderr
+
+
+def test_a_text_file_given_as_a_snapshot_is_called_what_it_is(tmp_path):
+    """Guards a misleading error: a text file as a snapshot said "...header too large); truncated?"."""
+    text = tmp_path / "notes.kv"
+    text.write_text("just some notes, not a snapshot\n" * 20)
+    result = invoke("inspect", str(text))
+    assert result.exit_code == 1
+    assert "not a kvsnap snapshot" in result.stderr and "truncated" not in result.stderr
+
+
+def test_a_bad_json_line_has_no_made_up_id_and_one_position(model, tmp_path):
+    """Guards `"id": 2` for a line that has no id, and "line 2: ... (char 51))" with two positions."""
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text('{"id": "a", "prompt": "x", "max_new_tokens": 1}\n{"prompt": "y", oops}\n')
+    result = invoke("run", *base(model), "--batch", str(jobs))
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert rows[1]["id"] is None
+    assert rows[1]["error"] == "line 2: not valid JSON (Expecting property name enclosed in double quotes at column 17)"

@@ -120,3 +120,16 @@ def test_real_model_resumed_equals_cold(real_lm, tmp_path):
     again.restore(tmp_path / "p.kv", p + q)
     again.prefill(p + q)
     assert torch.allclose(again.last_logits, cold_logits, atol=1e-3, rtol=0)
+
+
+def test_on_this_cpu_loading_wins_at_every_length(real_lm, tmp_path, monkeypatch):
+    """Issue 16: on a CPU a restore beats a prefill at every prefix length, so --reuse auto must load."""
+    from kvsnap.engine import calibrate
+    from kvsnap.reuse import decide
+
+    monkeypatch.setenv("KVSNAP_HOME", str(tmp_path))  # measure afresh, not a cached model
+    cost = calibrate.calibrate(real_lm)
+    per_token = max(b / n for n, b, _ in cost.loads)
+    for tokens in (16, 64, 256, 1024, 4096):
+        d = decide("auto", tokens, int(tokens * per_token), cost)
+        assert d.decision == "load", d

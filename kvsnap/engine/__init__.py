@@ -5,6 +5,8 @@ attention      a GQA-aware SDPA registered with transformers (no ``repeat_kv`` c
 sampling       logits -> token ids, token ids -> streamed text
 runner         forward passes with explicit positions; the decode loop
 restore        a prefix's KV from a ``.kv`` file or the block store, without the model
+verify         is reused KV still right: recompute one restored block and compare
+storing        a session's blocks into the block store, with what made them
 chat_template  chat messages -> token ids
 results        what a request and a save report
 session        ``Session``: restore -> chunked prefill -> decode -> save

@@ -118,13 +118,27 @@ class KVCache(DynamicCache):
                 vbuf[:, :, :length].copy_(layer.values)
             layer.attach(kbuf, vbuf, length)
 
+    def span(self, start: int, end: int) -> torch.Tensor:
+        """Tokens ``[start, end)`` of every layer: ``[layers, 2, kv_heads, tokens, head_dim]``, a copy on the device."""
+        return torch.stack(
+            [torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end])) for layer in self.layers]
+        )
+
+    def copy_prefix(self, config, length: int, capacity: int) -> KVCache:
+        """A new cache holding a copy of the first ``length`` tokens, with room for ``capacity``: work on
+        it (a recompute to compare) leaves this cache as it is."""
+        first = self.layers[0].keys
+        shape = (len(self.layers), 2, first.shape[1], capacity, first.shape[3])
+        buf = torch.empty(shape, dtype=first.dtype, device=first.device)
+        for i, layer in enumerate(self.layers):
+            buf[i, 0, :, :length].copy_(layer.keys[0, :, :length])
+            buf[i, 1, :, :length].copy_(layer.values[0, :, :length])
+        return cache_from_buffer(config, buf, length)
+
     def block_raw(self, start: int, end: int, dtype: str | None = None) -> np.ndarray:
         """Tokens ``[start, end)`` as raw bytes in the block layout (uint8, contiguous), cast to
         ``dtype`` first if given (a narrower storage width)."""
-        # block: [layers, 2, kv_heads, tokens, head_dim]
-        block = torch.stack(
-            [torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end])) for layer in self.layers]
-        )
+        block = self.span(start, end)
         if dtype is not None and TORCH_DTYPES[dtype] != block.dtype:
             block = block.to(TORCH_DTYPES[dtype])
         block = block.contiguous()
@@ -158,16 +172,22 @@ def layout_of(config, dtype: torch.dtype) -> KVLayout:
     return KVLayout(text.num_hidden_layers, kv_heads, head_dim, DTYPE_NAMES[dtype])
 
 
-# Restores to CUDA stage the blocks in pinned host memory (one fast non-blocking copy, but pinning
-# costs on first use in a process); benchmarks/cuda_check.py turns it off to measure both.
+# Restores to a GPU stage their blocks through a small ring of pinned host buffers (fast
+# non-blocking copies; pinning costs on first use in a process); benchmarks/cuda_check.py turns
+# pinning off to measure both.
 PIN_STAGING = True
+RING_SLOTS = 4  # blocks in flight between decode threads and the device: enough to overlap, never the prefix
 
 
 class Restorer:
-    """Decoded blocks go straight into one preallocated ``[layers, 2, kv_heads, capacity, head_dim]`` buffer.
+    """Decoded blocks go into one preallocated ``[layers, 2, kv_heads, capacity, head_dim]`` buffer on the device.
 
-    ``write`` may be called from several threads at once (each block has its own slice). On
-    CUDA the blocks land in pinned host memory and move to the device in one non-blocking copy.
+    ``write`` may be called from several threads at once (each block has its own slice). On the
+    CPU a block is copied straight into its slice. On a GPU (or when ``ring_slots`` is given, which
+    runs the same path on the CPU) each block goes through one of a few pinned host slots and is
+    copied to the device with a non-blocking copy on a side stream, so reading, decoding and
+    copying overlap; a slot is reused only once its copy is done, so staging never holds more than
+    ``ring_slots`` blocks, however long the prefix.
     """
 
     def __init__(
@@ -177,6 +197,9 @@ class Restorer:
         device: torch.device,
         capacity: int | None = None,
         storage_dtype: str | None = None,
+        *,
+        block_tokens: int | None = None,
+        ring_slots: int | None = None,
     ):
         self.layout = layout
         # Blocks stored narrower than the cache (opt-in) are cast back as they are copied in.
@@ -187,13 +210,20 @@ class Restorer:
         self.capacity = max(capacity or 0, num_tokens)
         self.dtype = TORCH_DTYPES[layout.dtype]
         L, H, D = layout.num_layers, layout.num_kv_heads, layout.head_dim
-        if device.type == "cpu":
-            self.buf = torch.empty((L, 2, H, self.capacity, D), dtype=self.dtype)
-            self.staging = self.buf[:, :, :, :num_tokens]
-        else:
-            self.buf = None
-            pin = device.type == "cuda" and PIN_STAGING
-            self.staging = torch.empty((L, 2, H, num_tokens, D), dtype=self.dtype, pin_memory=pin)
+        self.buf = torch.empty((L, 2, H, self.capacity, D), dtype=self.dtype, device=device)
+        self.ring: _Ring | None = None
+        if num_tokens and (ring_slots is not None or device.type != "cpu"):
+            per_slot = min(block_tokens or num_tokens, num_tokens)
+            self.ring = _Ring(ring_slots or RING_SLOTS, (L, 2, H, per_slot, D), self.dtype, device)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory staged between decode and the device copy (0 when blocks are copied straight in)."""
+        return self.ring.nbytes if self.ring is not None else 0
+
+    @property
+    def pinned(self) -> bool:
+        return self.ring is not None and self.ring.pinned
 
     def write(self, start: int, block_tokens: int, raw) -> None:
         """Copy a raw block (``block_tokens`` tokens, of which those before ``num_tokens`` are used) to ``start``."""
@@ -204,16 +234,64 @@ class Restorer:
         # Runs in reader threads: no warnings.catch_warnings() here (it is not thread-safe); the
         # readers hand in writable scratch buffers, so torch has nothing to warn about.
         src = torch.frombuffer(raw, dtype=torch.uint8, count=block_tokens * self.source_bytes_per_token)
-        src = src.view(self.source_dtype).view(L, 2, H, block_tokens, D)
-        self.staging[:, :, :, start : start + use].copy_(src[:, :, :, :use])
+        src = src.view(self.source_dtype).view(L, 2, H, block_tokens, D)[:, :, :, :use]
+        dst = self.buf[:, :, :, start : start + use]
+        if self.ring is None:
+            dst.copy_(src)
+        else:
+            self.ring.send(src, dst)
 
     def finish(self, config) -> KVCache:
-        if self.buf is None:
-            L, H, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim
-            self.buf = torch.empty((L, 2, H, self.capacity, D), dtype=self.dtype, device=self.device)
-            # Non-blocking only from pinned memory: otherwise the staging buffer could be freed mid-copy.
-            self.buf[:, :, :, : self.num_tokens].copy_(self.staging, non_blocking=self.staging.is_pinned())
+        if self.ring is not None:
+            self.ring.drain()
         return cache_from_buffer(config, self.buf, self.num_tokens)
+
+
+class _Ring:
+    """A few host buffers that blocks pass through on their way to the device (pinned on CUDA)."""
+
+    def __init__(self, slots: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        import queue
+
+        self.device = device
+        cuda = device.type == "cuda"
+        self.pinned = cuda and PIN_STAGING
+        self.buffers = [torch.empty(shape, dtype=dtype, pin_memory=self.pinned) for _ in range(max(1, slots))]
+        self.events: list = [None] * len(self.buffers)
+        self.free: queue.Queue[int] = queue.Queue()
+        for i in range(len(self.buffers)):
+            self.free.put(i)
+        self.stream = torch.cuda.Stream(device) if cuda else None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def send(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Stage ``src`` (host) in a free slot and copy it into ``dst`` (device), without waiting for the copy."""
+        i = self.free.get()
+        try:
+            if self.events[i] is not None:
+                self.events[i].synchronize()  # the slot's previous copy must be done before it is overwritten
+            n = src.shape[3]
+            slot = self.buffers[i][:, :, :, :n]
+            slot.copy_(src)
+            if self.stream is None:
+                dst.copy_(slot)
+                return
+            with torch.cuda.stream(self.stream):
+                dst.copy_(slot, non_blocking=self.pinned)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            self.events[i] = event
+        finally:
+            self.free.put(i)
+
+    def drain(self) -> None:
+        """Wait until every copy has landed, and make the compute stream see them."""
+        if self.stream is not None:
+            self.stream.synchronize()
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
 
 def restore_cache(

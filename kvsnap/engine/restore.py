@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvsnap import prefix
+from kvsnap import prefix, provenance
 from kvsnap.engine.cache import KVCache, Restorer
 from kvsnap.format.reader import Snapshot
 from kvsnap.models.load import LoadedModel
@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 # Room past the prompt for a first answer, so it is written in place.
 DECODE_ROOM = 256
 
+LoadOk = Callable[[int, int], bool]  # (hit_tokens, stored_bytes) -> load it (True) or recompute it
+
 
 @dataclass(frozen=True, slots=True)
 class RestoreStats:
@@ -35,6 +37,9 @@ class RestoreStats:
     hit_tokens: int
     blocks_read: int
     seconds: float
+    block_size: int = 0  # of the blocks read (a .kv file's own, which may differ from the session's)
+    # Per block read, in order: kvsnap.provenance.encode of what computed its KV ("" unknown).
+    made_by: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +63,15 @@ def from_snapshot(
     block_size: int,
     codec: str,
     storage_dtype: str,
+    load_ok: LoadOk | None = None,
 ) -> Restored:
     """The longest prefix of ``prompt_ids`` a snapshot holds (all of it, with its chat messages, when
     ``prompt_ids`` is None). Only the matched blocks are read. ``root_for(block_size)`` gives the
-    session's chain root; a snapshot under another root, model or layout is refused."""
+    session's chain root; a snapshot under another root, model or layout is refused.
+
+    ``load_ok(hit_tokens, stored_bytes)`` may decide that recomputing the prefix is faster than
+    loading it: then no block is read and nothing is restored (a chat keeps its messages).
+    """
     t0 = time.perf_counter()
     with Snapshot(path) as snap:
         meta = snap.meta
@@ -78,8 +88,19 @@ def from_snapshot(
         else:
             hit = prefix.match_prefix(prompt_ids, snap.tokens, meta.block_hashes, meta.block_size, root).hit_tokens
         num_blocks = -(-hit // meta.block_size)
+        if hit and load_ok is not None and not load_ok(hit, sum(b.stored_bytes for b in meta.blocks[:num_blocks])):
+            messages = list(meta.messages) if (prompt_ids is None and meta.messages is not None) else None
+            stats = RestoreStats(str(path), meta.num_tokens, 0, 0, time.perf_counter() - t0)
+            return Restored(KVCache(lm.config), [], None, {}, messages, stats)
         room = max(len(prompt_ids or ()), hit) + DECODE_ROOM
-        restorer = Restorer(lm.layout, hit, lm.device, capacity=room, storage_dtype=meta.storage_layout.dtype)
+        restorer = Restorer(
+            lm.layout,
+            hit,
+            lm.device,
+            capacity=room,
+            storage_dtype=meta.storage_layout.dtype,
+            block_tokens=meta.block_size,
+        )
         starts = [i * meta.block_size for i in range(num_blocks)]
 
         def sink(index: int, raw: np.ndarray) -> None:
@@ -98,7 +119,9 @@ def from_snapshot(
         tokens = snap.tokens[:hit]
         # A partial prefix of a chat is no longer that chat: its messages would not match the tokens.
         messages = list(meta.messages) if (whole and meta.messages is not None) else None
-    stats = RestoreStats(str(path), meta.num_tokens, hit, num_blocks, time.perf_counter() - t0)
+    made_by = (provenance.encode(provenance.parse(meta.extra.get("made_by"))),) * num_blocks
+    seconds = time.perf_counter() - t0
+    stats = RestoreStats(str(path), meta.num_tokens, hit, num_blocks, seconds, meta.block_size, made_by)
     return Restored(cache, tokens, logits, encoded, messages, stats)
 
 
@@ -112,6 +135,7 @@ def from_store(
     codec: str,
     have: int,
     on_problem: Callable[[str], None] | None = None,
+    load_ok: LoadOk | None = None,
 ) -> Restored | None:
     """The longest prefix of ``prompt_ids`` the block store holds, if it is longer than ``have``
     tokens (what the session already holds for this prompt); None otherwise.
@@ -126,6 +150,10 @@ def from_store(
         if on_problem is not None:
             on_problem(line)
 
+    if have >= len(prompt_ids) // block_size * block_size:
+        # The store holds whole blocks only, so it cannot beat that: reading them (and recording their
+        # use, an index write) would be wasted work on every turn of a conversation held in memory.
+        return None
     t0 = time.perf_counter()
     limit = len(prompt_ids)
     while True:
@@ -140,9 +168,11 @@ def from_store(
             report(line)
         if match.hit_tokens <= have:
             return None
+        if load_ok is not None and not load_ok(match.hit_tokens, sum(len(b.data) for b in blocks)):
+            return None
         hit = match.hit_tokens
         layout = lm.layout
-        restorer = Restorer(layout, hit, lm.device, capacity=len(prompt_ids) + DECODE_ROOM)
+        restorer = Restorer(layout, hit, lm.device, capacity=len(prompt_ids) + DECODE_ROOM, block_tokens=block_size)
         scratch = np.empty(block_size * layout.bytes_per_token, dtype=np.uint8)
         try:
             for i, block in enumerate(blocks):
@@ -157,7 +187,8 @@ def from_store(
             report(line)
             limit = i * block_size
     encoded = {b.record.hash: b.encoded() for b in blocks if b.record.codec == codec}
-    stats = RestoreStats("store", hit, hit, len(blocks), time.perf_counter() - t0)
+    made_by = tuple(b.record.made_by for b in blocks)
+    stats = RestoreStats("store", hit, hit, len(blocks), time.perf_counter() - t0, block_size, made_by)
     return Restored(restorer.finish(lm.config), list(prompt_ids[:hit]), None, encoded, None, stats)
 
 
@@ -179,12 +210,15 @@ def from_store_session(lm: LoadedModel, store: BlockStore, name: str, root: byte
         raise StoreError(f"store session {name!r}: cache layout {chain.layout.describe()} is not this model's")
     layout = lm.layout
     num_tokens = len(record.token_ids)
-    restorer = Restorer(layout, num_tokens, lm.device, capacity=num_tokens + DECODE_ROOM)
+    restorer = Restorer(layout, num_tokens, lm.device, capacity=num_tokens + DECODE_ROOM, block_tokens=chain.block_size)
     scratch = np.empty(chain.block_size * layout.bytes_per_token, dtype=np.uint8)
     for i, block in enumerate(blocks):
         restorer.write(i * chain.block_size, len(block.record.token_ids), block.decode(layout.itemsize, out=scratch))
     encoded = {b.record.hash: b.encoded() for b in blocks if b.record.full and b.record.codec == codec}
     last = np.frombuffer(logits, dtype="<f4").copy() if logits is not None else None
     messages = [dict(m) for m in record.messages] if record.messages is not None else None
-    stats = RestoreStats(f"store session {name!r}", num_tokens, num_tokens, len(blocks), time.perf_counter() - t0)
+    made_by = tuple(b.record.made_by for b in blocks)
+    seconds = time.perf_counter() - t0
+    where = f"store session {name!r}"
+    stats = RestoreStats(where, num_tokens, num_tokens, len(blocks), seconds, chain.block_size, made_by)
     return Restored(restorer.finish(lm.config), list(record.token_ids), last, encoded, messages, stats)

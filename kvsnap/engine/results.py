@@ -33,6 +33,17 @@ class TurnResult:
     store_new_blocks: int | None = None  # blocks this request added to the block store (None: no store)
     # The block store could not be read or written (or held a damaged block) and this request went on without it.
     store_error: str | None = None
+    # Load or recompute (--reuse): what was done with a stored prefix, why, and the predictions behind it.
+    reuse_decision: str | None = None
+    reuse_reason: str | None = None
+    predicted_load_s: float | None = None
+    predicted_recompute_s: float | None = None
+    # --verify, or the automatic spot check when the KV's recorded versions or device differ (kvsnap.engine.verify):
+    # the max |difference| of the recomputed vs the restored K/V, the check's seconds, and its details.
+    verify_max_abs_diff: float | None = None
+    verify_s: float | None = None
+    verify: dict[str, Any] | None = None
+    miss: dict[str, Any] | None = None  # with explain: where reuse stopped and why (kvsnap.explain.Miss)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -13,7 +13,6 @@ earlier turn differently, only the tokens that compare equal are reused.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -21,9 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvsnap import explain as explaining
 from kvsnap import hashing, limits, prefix
 from kvsnap.config import ON_MISMATCH, SamplingParams, SessionConfig, check_choice
 from kvsnap.engine import restore as restoring
+from kvsnap.engine import storing
+from kvsnap.engine import verify as verifying
 from kvsnap.engine.cache import KVCache
 from kvsnap.engine.chat_template import render_chat
 from kvsnap.engine.encoded import EncodedBlocks
@@ -37,6 +39,7 @@ from kvsnap.models.load import LoadedModel
 from kvsnap.types import EncodedBlock
 
 if TYPE_CHECKING:
+    from kvsnap.reuse import ReuseDecision
     from kvsnap.store import BlockStore
 
 _ENCODE_WORKERS = 4
@@ -111,6 +114,8 @@ class Session:
         self.last_logits: torch.Tensor | None = None
         self.messages: list[dict[str, str]] | None = None
         self._encoded = EncodedBlocks()
+        self.inherited_made_by: tuple[str, ...] = ()  # restored KV's provenance, per block (verify.recorded)
+        self.last_reuse: ReuseDecision | None = None  # the last load-or-recompute decision
 
     def root(self, block_size: int | None = None) -> bytes:
         return hashing.chain_root(self.lm.fingerprint, self.namespace, block_size or self.block_size)
@@ -152,6 +157,7 @@ class Session:
         self.last_logits = torch.from_numpy(logits).to(self.lm.device) if logits is not None else None
         self._encoded = EncodedBlocks(state.encoded)
         self.messages = state.messages
+        self.inherited_made_by = state.stats.made_by
         return state.stats
 
     # -- restore -----------------------------------------------------------------------------
@@ -171,8 +177,16 @@ class Session:
             block_size=self.block_size,
             codec=self.codec,
             storage_dtype=self.storage_dtype,
+            load_ok=self._load_ok,
         )
         return self._commit(state)
+
+    def _load_ok(self, hit_tokens: int, stored_bytes: int) -> bool:
+        """Load a stored prefix, or recompute it (``config.reuse``); the decision goes to the ledger."""
+        from kvsnap.engine.calibrate import decide_for
+
+        self.last_reuse = decide_for(self.lm, self.config.reuse, hit_tokens, stored_bytes)
+        return self.last_reuse.decision == "load"
 
     def restore_from_store(self, prompt_ids: Sequence[int], on_problem: TextFn | None = None) -> RestoreStats | None:
         """Take the longest prefix of ``prompt_ids`` held in the block store, if it beats what the session
@@ -180,7 +194,15 @@ class Session:
         assert self.store is not None
         have, ids, bs = prefix.common_prefix_len(self.tokens, prompt_ids), prompt_ids, self.block_size
         state = restoring.from_store(
-            self.lm, self.store, ids, self.root(), block_size=bs, codec=self.codec, have=have, on_problem=on_problem
+            self.lm,
+            self.store,
+            ids,
+            self.root(),
+            block_size=bs,
+            codec=self.codec,
+            have=have,
+            on_problem=on_problem,
+            load_ok=self._load_ok,
         )
         return self._commit(state) if state is not None else None
 
@@ -191,38 +213,16 @@ class Session:
         state = restoring.from_store_session(self.lm, self.store, name, self.root(), codec=self.codec)
         return self._commit(state) if state is not None else None
 
-    def _chain(self):
-        from kvsnap.store import ChainInfo
-
-        return ChainInfo(self.root(), self.lm.name, self.lm.fingerprint, self.lm.layout, self.block_size)
-
-    def _blocks_for_store(self, tokens: Sequence[int]) -> list[EncodedBlock | None]:
-        """Blocks of ``tokens`` for the store: None for those it holds already, the rest encoded."""
-        assert self.store is not None
-        known = len(self.store.lookup(tokens, self.root(), self.block_size, touch=False).hashes)
-        return [None] * known + self._encode_blocks(tokens, first=known)[0]
-
     def store_blocks(self) -> int:
         """Add the session's full blocks to the block store (blocks already there are not encoded
         again); returns how many blocks were new to the store."""
-        bs = self.block_size
-        tokens = self.tokens[: len(self.tokens) // bs * bs]
-        if not tokens:
-            return 0
-        blocks = self._blocks_for_store(tokens)
-        return self.store.put(self._chain(), tokens, blocks, codec=self.codec, level=self.level).new_blocks
+        return storing.store_blocks(self)
 
     def store_session(self, name: str) -> int:
         """Record the whole session in the block store as session ``name`` (sampled tokens run first;
         partial tail block, chat messages and last logits included), which ``kvsnap store pin/export``
         work on; returns how many blocks were new to the store."""
-        self.flush()
-        if not self.tokens:
-            return 0
-        blocks = self._blocks_for_store(self.tokens)
-        logits = self.last_logits.float().cpu().numpy() if self.last_logits is not None else None
-        kw: dict[str, Any] = dict(codec=self.codec, level=self.level, messages=self.messages, last_logits=logits)
-        return self.store.add_session(name, self._chain(), self.tokens, blocks, **kw).new_blocks
+        return storing.store_session(self, name)
 
     # -- prefill and decode -------------------------------------------------------------------
 
@@ -287,18 +287,22 @@ class Session:
         on_mismatch: str = "error",
         store_session: str | None = None,
         on_generated: Callable[[Generation | None], None] | None = None,
+        prompt_messages: Sequence[dict[str, str]] | None = None,
     ) -> TurnResult:
         """The whole path for one prompt: restore -> prefill the suffix -> decode.
 
-        ``on_mismatch="recompute"`` turns a refused snapshot (damaged, foreign, too new) into a
-        cold run that says why in ``restore_error``; the default raises the ``SnapshotError``.
-        ``on_generated(gen)`` is called once decoding is done, before anything is written to the store.
+        ``on_mismatch="recompute"`` turns a refused snapshot (damaged, foreign, too new, or failing
+        ``config.verify``'s check) into a cold run that says why in ``restore_error``; the default raises
+        the ``SnapshotError``. ``on_generated(gen)`` is called once decoding is done, before anything is
+        written to the store. ``prompt_messages``: the chat messages ``prompt_ids`` render (explain uses them).
         """
         check_choice("on_mismatch", on_mismatch, ON_MISMATCH)
         limits.check_tokens(len(prompt_ids), self.lm.max_positions)  # before any restore or prefill work
         t0 = time.perf_counter()
+        self.last_reuse = None
         restored = None
         restore_error = None
+        held = (list(self.tokens), self.messages)
         if resume is not None:
             try:
                 restored = self.restore(resume, prompt_ids)
@@ -308,11 +312,17 @@ class Session:
                 restore_error = str(exc)
         store_problems: list[str] = []  # a store that cannot be read or written is no store for this request
         store_hit = self.restore_from_store(prompt_ids, store_problems.append) if self.store is not None else None
+        checked = verifying.check(self, store_hit or restored, self.config.verify, on_mismatch)
+        restore_error = restore_error or (checked.refused if checked is not None else None)
         t1 = time.perf_counter()
         plan, seen = self.prefill(prompt_ids, on_progress)
         t2 = time.perf_counter()
         gen = self.generate(params, on_text) if params.max_new_tokens > 0 else None
         t3 = time.perf_counter()
+        miss = None  # explained before this request's blocks join the store, and outside the timings
+        if self.config.explain:
+            kw = dict(resume=resume, held=held, prompt_messages=prompt_messages)
+            miss = explaining.for_session(self, prompt_ids, plan.hit_tokens, **kw)
         if on_generated is not None:
             on_generated(gen)
         store_new = None
@@ -337,6 +347,9 @@ class Session:
             restore_error=restore_error,
             store_new_blocks=store_new,
             store_error="; ".join(store_problems) or None,
+            **(self.last_reuse.ledger() if self.last_reuse is not None else {}),
+            **(checked.ledger() if checked is not None else {}),
+            miss=miss.as_dict() if miss is not None else None,
         )
 
     # -- chat --------------------------------------------------------------------------------
@@ -355,40 +368,21 @@ class Session:
         on_progress: ProgressFn | None = None,
         store_session: str | None = None,
     ) -> TurnResult:
-        """One chat turn: append the user message, render, reuse what matches, answer.
+        """One chat turn: append the user message, render, reuse what matches, answer (see ``engine.chat``).
 
         With a block store and ``store_session``, the conversation is recorded there under that name.
         """
-        messages = list(self.messages or [])
-        if not messages and system:
-            messages.append({"role": "system", "content": system})
-        messages.append({"role": "user", "content": user_text})
-        before_tokens, before_messages = list(self.tokens), self.messages
+        from kvsnap.engine.chat import chat_turn
 
-        def keep(gen: Generation | None) -> None:
-            # The answer joins the conversation as soon as it exists: an interrupt after this point (the
-            # store write) cannot leave the KV holding an answer the messages lack.
-            self.messages = [*messages, {"role": "assistant", "content": gen.text if gen is not None else ""}]
-
-        try:
-            result = self.run(
-                self.render_chat(messages), params, on_text=on_text, on_progress=on_progress, on_generated=keep
-            )
-        except BaseException:
-            if self.messages is before_messages:
-                # No answer was kept (an error, or Ctrl-C before it): the conversation stays as it was
-                # before this turn, and the KV holds nothing the messages do not.
-                self.pending = []
-                self._truncate(prefix.common_prefix_len(before_tokens, self.tokens))
-            raise
-        if self.store is not None and store_session is not None:
-            try:
-                self.store_session(store_session)
-            except StoreError as exc:
-                result = dataclasses.replace(
-                    result, store_error=result.store_error or f"block store not updated: {exc}"
-                )
-        return result
+        return chat_turn(
+            self,
+            user_text,
+            params,
+            system=system,
+            on_text=on_text,
+            on_progress=on_progress,
+            store_session=store_session,
+        )
 
     # -- save --------------------------------------------------------------------------------
 
@@ -427,7 +421,7 @@ class Session:
             fingerprint_parts=self.lm.fingerprint_parts,
             storage_dtype=self.storage_dtype,
             # Lets inspect find the tokenizer of a model named by a relative path, a .gguf or a hub id.
-            extra={"model_folder": str(Path(self.lm.folder).resolve())},
+            extra={"model_folder": str(Path(self.lm.folder).resolve()), **verifying.recorded(self)},
         )
         size = write_snapshot(path, header, self.tokens, final, last_logits=logits, messages=self.messages)
         self._encoded.keep_only({b.hash for b in final if b.hash is not None}, keep_tail=True)

@@ -82,6 +82,7 @@ class Snapshot:
             except (OSError, ValueError) as exc:
                 raise SnapshotError(f"{self.path}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
             self.file_bytes = st.st_size
+            _check_looks_like_safetensors(self.path, self._mm)
             try:
                 # safetensors opens by name: give it the name of the file already open and checked,
                 # so it cannot be handed another file (or a FIFO) renamed over the path meanwhile.
@@ -305,3 +306,17 @@ def _name_of(fd: int, path: Path) -> str:
 
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _check_looks_like_safetensors(path: Path, mm: mmap.mmap) -> None:
+    """Tell a file that is not a snapshot at all (a text file, a .gguf) from a damaged one, before
+    safetensors says "header too large" about a text file's first eight bytes."""
+    (header_len,) = struct.unpack_from("<Q", mm, 0)
+    start = bytes(mm[8:9])
+    if header_len <= len(mm) - 8 and start == b"{":
+        return
+    head = bytes(mm[:16])
+    shown = repr(head.decode("ascii", "replace"))
+    if header_len > len(mm) - 8 and start == b"{":
+        raise SnapshotError(f"{path}: not a kvsnap snapshot: its header runs past the end of the file (truncated?)")
+    raise SnapshotError(f"{path}: not a kvsnap snapshot (a .kv file is safetensors; this one starts with {shown})")

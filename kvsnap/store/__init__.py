@@ -9,6 +9,7 @@ txn          one transaction's state; adding a chain's blocks
 store        ``BlockStore``: one transaction per call over the files and the index
 upkeep       check, gc and repair (rebuilding a lost index from the block files)
 interchange  sessions to and from ``.kv`` files
+closest      the stored prefix nearest a prompt, in every chain (explaining a miss)
 """
 
 from kvsnap.errors import StoreError

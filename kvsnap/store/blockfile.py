@@ -3,10 +3,11 @@
     <stored bytes> <trailer: JSON> <trailer length: u32 little-endian> <MAGIC: 8 bytes>
 
 The trailer holds the block's index entry (hash, parent, chain root, token ids, full, raw and
-stored sizes, checksum, codec, level) and its chain (model, fingerprint, layout, block size), so
-``BlockStore.repair`` can rebuild the entry from the file alone when the index is lost, and prove
-it: the hash must be the chained hash of the parent and the token ids, the stored bytes must pass
-the checksum and decode to the size the layout gives those tokens. It goes after the stored bytes
+stored sizes, checksum, codec, level, the software that made it) and its chain (model,
+fingerprint, layout, block size), so ``BlockStore.repair`` can rebuild the entry from the file
+alone when the index is lost, and prove it: the hash must be the chained hash of the parent and
+the token ids, the stored bytes must pass the checksum and decode to the size the layout gives
+those tokens. It goes after the stored bytes
 so the file still starts with what a ``.kv`` snapshot holds for the block. Files written before
 trailers existed hold the stored bytes alone: still read (their index entry vouches for them), but
 they prove nothing on their own.
@@ -18,7 +19,7 @@ import json
 import struct
 from typing import Any
 
-from kvsnap import hashing
+from kvsnap import hashing, provenance
 from kvsnap.errors import StoreError
 from kvsnap.store.records import BlockRecord, ChainInfo, StoredBlock, record_problem
 from kvsnap.types import KVLayout
@@ -43,6 +44,7 @@ def trailer(record: BlockRecord, chain: ChainInfo) -> bytes:
             "checksum": record.checksum,
             "codec": record.codec,
             "level": record.level,
+            **({"made_by": record.made_by} if record.made_by else {}),
             "chain": {
                 "model": chain.model,
                 "fingerprint": chain.fingerprint,
@@ -86,6 +88,7 @@ def parse_trailer(body: bytes) -> tuple[BlockRecord, ChainInfo]:
             checksum=str(data["checksum"]),
             codec=str(data["codec"]),
             level=int(data["level"]),
+            made_by=provenance.encode(provenance.parse(data.get("made_by"))),
         )
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         raise StoreError("its trailer is malformed") from None

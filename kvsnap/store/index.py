@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvsnap import prefix
+from kvsnap import prefix, provenance
 from kvsnap.errors import StoreError
 from kvsnap.store.records import BlockRecord, ChainInfo, SessionRecord, StoreMatch
 
@@ -64,6 +64,8 @@ class BlockIndex:
                 f"chain root {chain.root.hex()[:12]} is stored for {known.model} (block size {known.block_size}, "
                 f"{known.layout.dtype}), not {chain.model} (block size {chain.block_size}, {chain.layout.dtype})"
             )
+        elif chain.parts and not known.parts:
+            self.chains[chain.root] = chain  # a chain recorded before its parts were kept gains them
 
     def put(self, record: BlockRecord) -> bool:
         """Add a block (or find it already stored) and touch it; True when it is new.
@@ -243,7 +245,8 @@ class BlockIndex:
 
         Each node: ``hashes`` (hex), ``blocks``, ``token_ids``, ``bytes`` (stored), ``raw_bytes``,
         ``last_use`` (the latest in the run), ``pins``, ``partial`` (ends in a tail block),
-        ``sessions`` (names ending here) and ``children`` (ordered by first token id).
+        ``sessions`` (names ending here), ``made_by`` (its blocks' distinct provenances) and
+        ``children`` (ordered by first token id).
         """
         ends: dict[bytes, list[str]] = {}
         for s in self.sessions.values():
@@ -266,6 +269,7 @@ class BlockIndex:
                 "pins": self.pins[run[-1]],
                 "partial": not records[-1].full,
                 "sessions": sorted(ends.get(h, [])),
+                "made_by": [provenance.parse(t) for t in sorted({r.made_by for r in records if r.made_by})],
                 "children": below(h),
             }
 

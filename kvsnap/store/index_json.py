@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from kvsnap import hashing
+from kvsnap import hashing, provenance
 from kvsnap.errors import StoreError
 from kvsnap.store.index import COUNTERS, INDEX_FORMAT, INDEX_VERSION, BlockIndex
 from kvsnap.store.records import BlockRecord, ChainInfo, SessionRecord
@@ -12,6 +13,9 @@ from kvsnap.types import KVLayout
 
 
 def index_to_json(index: BlockIndex) -> dict[str, Any]:
+    # Blocks name their provenance by its place in one table: a store holds few distinct ones.
+    producers = sorted({r.made_by for r in index.blocks.values() if r.made_by})
+    producer = {text: i for i, text in enumerate(producers)}
     return {
         "format": INDEX_FORMAT,
         "version": INDEX_VERSION,
@@ -26,9 +30,11 @@ def index_to_json(index: BlockIndex) -> dict[str, Any]:
                 "fingerprint": c.fingerprint,
                 "layout": c.layout.to_json(),
                 "block_size": c.block_size,
+                **({"fingerprint_parts": dict(c.parts)} if c.parts else {}),
             }
             for c in index.chains.values()
         ],
+        "made_by": [json.loads(text) for text in producers],
         "blocks": [
             {
                 "hash": r.hash.hex(),
@@ -42,6 +48,7 @@ def index_to_json(index: BlockIndex) -> dict[str, Any]:
                 "codec": r.codec,
                 "level": r.level,
                 "last_use": index.last_use[r.hash],
+                **({"made_by": producer[r.made_by]} if r.made_by else {}),
             }
             for r in index.blocks.values()
         ],
@@ -81,9 +88,12 @@ def index_from_json(data: Any) -> BlockIndex:
                     str(c["fingerprint"]),
                     _layout(c["layout"]),
                     int(c["block_size"]),
+                    _parts(c.get("fingerprint_parts")),
                 )
             )
-        pending = [_block_from_json(b) for b in data["blocks"]]
+        table = data.get("made_by")
+        producers = [provenance.encode(provenance.parse(p)) for p in table] if isinstance(table, list) else []
+        pending = [_block_from_json(b, producers) for b in data["blocks"]]
         # Parents before children, whatever order the file lists them in.
         by_parent: dict[bytes, list[tuple[BlockRecord, int]]] = {}
         for record, last_use in pending:
@@ -131,7 +141,21 @@ def _opt_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def _block_from_json(b: dict[str, Any]) -> tuple[BlockRecord, int]:
+def _parts(value: Any) -> tuple[tuple[str, str], ...]:
+    """A chain's fingerprint parts; () when absent or not a mapping of strings (they only explain misses)."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        return ()
+    return tuple(sorted(value.items()))
+
+
+def _made_by(value: Any, producers: list[str]) -> str:
+    """A block's provenance from its place in the table; unknown ("") when it names none."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(producers):
+        return producers[value]
+    return ""
+
+
+def _block_from_json(b: dict[str, Any], producers: list[str]) -> tuple[BlockRecord, int]:
     h = bytes.fromhex(b["hash"])
     if len(h) != hashing.DIGEST_SIZE:
         raise StoreError("store index holds a hash of the wrong length")
@@ -146,5 +170,6 @@ def _block_from_json(b: dict[str, Any]) -> tuple[BlockRecord, int]:
         checksum=str(b["checksum"]),
         codec=str(b["codec"]),
         level=int(b["level"]),
+        made_by=_made_by(b.get("made_by"), producers),
     )
     return record, int(b["last_use"])

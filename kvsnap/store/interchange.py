@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvsnap import provenance
 from kvsnap.errors import StoreError
 from kvsnap.format import codec as codecs
 from kvsnap.format.meta import SnapshotHeader
@@ -57,6 +58,13 @@ def session_export(store: BlockStore, name: str) -> SessionExport:
             blocks.append(encode_block(raw, len(r.token_ids), r.hash if r.full else None, itemsize, codec, level))
         else:
             blocks.append(block.encoded())
+    extra = dict(session.extra)
+    # The file names one provenance for all its blocks: the blocks' own when they agree, else none
+    # (unknown, so a resume spot checks it).
+    makers = {b.record.made_by for b in stored}
+    extra.pop("made_by", None)
+    if len(makers) == 1 and "" not in makers:
+        extra["made_by"] = provenance.parse(makers.pop())
     header = SnapshotHeader(
         model=chain.model,
         fingerprint=chain.fingerprint,
@@ -65,7 +73,8 @@ def session_export(store: BlockStore, name: str) -> SessionExport:
         block_size=chain.block_size,
         codec=codec,
         level=level,
-        extra=dict(session.extra),
+        fingerprint_parts=dict(chain.parts),
+        extra=extra,
     )
     return SessionExport(
         header=header,
@@ -102,7 +111,8 @@ def import_snapshot(
         blocks = [snap.encoded_block(i, bytes(snap.read_stored(i))) for i in range(len(meta.blocks))]
         logits = snap.last_logits()
         tokens = list(snap.tokens)
-    chain = ChainInfo(meta.root, meta.model, meta.fingerprint, meta.layout, meta.block_size)
+    parts = tuple(sorted(meta.fingerprint_parts.items()))
+    chain = ChainInfo(meta.root, meta.model, meta.fingerprint, meta.layout, meta.block_size, parts)
     return store.add_session(
         name if name is not None else Path(path).stem,
         chain,
@@ -114,4 +124,5 @@ def import_snapshot(
         messages=meta.messages,
         last_logits=logits,
         extra=meta.extra,
+        made_by=provenance.encode(provenance.parse(meta.extra.get("made_by"))),
     )

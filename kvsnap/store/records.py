@@ -24,6 +24,9 @@ class ChainInfo:
     fingerprint: str
     layout: KVLayout
     block_size: int
+    # The fingerprint's parts (config, tokenizer, weights, kv_dtype), so an explanation of a miss can
+    # say which one differs; () for chains recorded before they were kept.
+    parts: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +43,7 @@ class BlockRecord:
     checksum: str
     codec: str
     level: int
+    made_by: str = ""  # kvsnap.provenance.encode of the software and device that computed it; "" unknown
 
 
 @dataclass(frozen=True, slots=True)

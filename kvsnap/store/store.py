@@ -161,15 +161,19 @@ class BlockStore:
         *,
         codec: str,
         level: int = DEFAULT_LEVEL,
+        made_by: str = "",
     ) -> PutResult:
         """Store the full blocks of ``token_ids`` (deduplicated), then evict to the budget.
 
         ``blocks[i]`` is block ``i`` of the tokens encoded with ``codec``, or None for a block the
         caller knows is stored already (see ``lookup``); a partial tail block is ignored. If a None
-        block turns out to be gone, only the blocks before it are stored.
+        block turns out to be gone, only the blocks before it are stored. New blocks record
+        ``made_by`` (``kvsnap.provenance.encode``: the software and device that computed them).
         """
         with self._txn(write=True) as t:
-            hashes, new, reused = put_blocks(self.files, t, chain, token_ids, blocks, codec, level, with_tail=False)
+            hashes, new, reused = put_blocks(
+                self.files, t, chain, token_ids, blocks, codec, level, with_tail=False, made_by=made_by
+            )
             evicted = self._evict(t)
             t.optional = new == 0 and not evicted  # only recency changed
             return put_result(t.index, hashes, new, reused, evicted)
@@ -187,11 +191,12 @@ class BlockStore:
         messages: Sequence[dict[str, str]] | None = None,
         last_logits: np.ndarray | None = None,
         extra: dict[str, Any] | None = None,
+        made_by: str = "",
     ) -> PutResult:
         """Store every block of ``token_ids`` (the partial tail too) and record them as session ``name``.
 
         Replaces a session of that name; ``pin=None`` keeps its pin (a new session is unpinned).
-        Blocks are given as for ``put``. Eviction to the budget runs after the session is recorded,
+        Blocks (and ``made_by``) are given as for ``put``. Eviction to the budget runs after the session is recorded,
         so a pinned session's blocks are safe from it.
         """
         if not isinstance(name, str) or not name.strip() or "\x00" in name:
@@ -205,7 +210,9 @@ class BlockStore:
                 raise StoreError(f"last-position logits of {len(logits):,} bytes are more than the store keeps")
         with self._txn(write=True) as t:
             index = t.index
-            hashes, new, reused = put_blocks(self.files, t, chain, token_ids, blocks, codec, level, with_tail=True)
+            hashes, new, reused = put_blocks(
+                self.files, t, chain, token_ids, blocks, codec, level, with_tail=True, made_by=made_by
+            )
             old = index.sessions.get(name)
             logits_id = None
             if logits is not None:

@@ -39,9 +39,11 @@ def put_blocks(
     codec: str,
     level: int,
     with_tail: bool,
+    made_by: str = "",
 ) -> tuple[list[bytes], int, int]:
     """Add a chain's blocks (see ``BlockStore.put``): the hashes stored, from the first, and how many were
-    new and how many already stored. Each new block file gets its trailer (``blockfile``)."""
+    new and how many already stored. Each new block file gets its trailer (``blockfile``); new blocks
+    record ``made_by`` (``kvsnap.provenance.encode``), a block already stored keeps its own."""
     if codec in codecs.LOSSY_CODECS:
         raise ConfigError(f"codec {codec!r} is lossy: the block store keeps exact cache-dtype blocks only")
     if codec not in codecs.CODECS:
@@ -82,6 +84,7 @@ def put_blocks(
                 block.checksum,
                 codec,
                 level,
+                made_by,
             )
             trailer = blockfile.trailer(record, index.chains[chain.root])
             t.write(files, files.block_path(h), [block.stored, trailer])

@@ -1,0 +1,58 @@
+"""``kvsnap calibrate``: measure, on this machine, what a prefill and a restore cost (for --reuse auto)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from cli import options as o
+from cli import ui
+from cli.common import guarded
+from kvsnap.config import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MODEL
+
+
+@guarded
+def calibrate(
+    model: o.Model = DEFAULT_MODEL,
+    device: o.Device = DEFAULT_DEVICE,
+    dtype: o.Dtype = DEFAULT_DTYPE,
+    json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object.")] = False,
+) -> None:
+    """Measure cold prefills and restores of the same KV at a few lengths, and keep the result.
+
+    `--reuse auto` (the default of run and chat) loads a stored prefix only where loading is predicted faster
+    than recomputing it. It measures once per machine, model and device on first use; this measures again
+    (after a driver, library or hardware change).
+    """
+    from kvsnap.engine.calibrate import cache_path
+    from kvsnap.engine.calibrate import calibrate as measure
+
+    lm = ui.load_model(model, device, dtype)
+    with ui.status("calibrating load vs recompute") as update:
+        cost = measure(lm, progress=update)
+    rows = []
+    for tokens, stored, load_s in cost.loads:
+        prefill_s = dict(cost.prefill).get(tokens)
+        rows.append(
+            {
+                "tokens": tokens,
+                "prefill_s": prefill_s,
+                "load_s": load_s,
+                "stored_bytes": stored,
+                "faster": "load" if prefill_s is None or load_s <= prefill_s else "recompute",
+            }
+        )
+    info = {**cost.to_json(), "path": str(cache_path(lm)), "model": model, "device": str(lm.device), "rows": rows}
+    if json_out:
+        ui.print_json(info)
+        return
+    for r in rows:
+        ui.say(
+            f"{r['tokens']:>6,} tokens: recompute {r['prefill_s']:.4f} s, load {r['load_s']:.4f} s "
+            f"({ui.human_bytes(r['stored_bytes'])}): {r['faster']} is faster"
+        )
+    ui.say(
+        f"restore {cost.load_bytes_per_s / 1e6:,.0f} MB/s + {cost.load_overhead_s * 1e3:.1f} ms; "
+        f"kept in {cache_path(lm)}"
+    )

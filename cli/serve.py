@@ -1,0 +1,151 @@
+"""``kvsnap serve``: a local OpenAI-compatible server whose prefix cache lives in the block store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cli import options as o
+from cli import ui
+from cli.common import guarded
+from kvsnap import config
+
+DEFAULT_PORT = 8080
+DEFAULT_MAX_QUEUE = 16
+
+Host = Annotated[
+    str,
+    typer.Option(
+        help="Address to listen on. 127.0.0.1 (default) answers this machine only; any other needs an API key."
+    ),
+]
+Port = Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on (0: any free port, shown at start).")]
+ApiKey = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--api-key",
+        envvar="KVSNAP_API_KEY",
+        help="Accept only requests with Authorization: Bearer KEY (repeatable; each key gets its own cache "
+        "namespace, so users never share blocks). A key on the command line shows in `ps`: prefer "
+        "--api-keys-file or env KVSNAP_API_KEY on a shared machine.",
+    ),
+]
+ApiKeysFile = Annotated[
+    Path | None, typer.Option(help="File of API keys, one per line (# comments); combined with --api-key.")
+]
+MaxQueue = Annotated[
+    int,
+    typer.Option(min=0, help="Requests that may wait while one is answered; past that, 503 with Retry-After."),
+]
+NoStore = Annotated[
+    bool,
+    typer.Option(
+        "--no-store", metavar="", help="No block store: the prefix cache lives in memory only and dies with the server."
+    ),
+]
+
+
+@guarded
+def serve(
+    model: o.Model = config.DEFAULT_MODEL,
+    host: Host = "127.0.0.1",
+    port: Port = DEFAULT_PORT,
+    api_key: ApiKey = None,
+    api_keys_file: ApiKeysFile = None,
+    max_queue: MaxQueue = DEFAULT_MAX_QUEUE,
+    store: o.Store = None,
+    no_store: NoStore = False,
+    store_budget: o.StoreBudget = None,
+    namespace: o.Namespace = "",
+    block_size: o.BlockSize = config.DEFAULT_BLOCK_SIZE,
+    chunk_size: o.ChunkSize = config.DEFAULT_CHUNK_SIZE,
+    device: o.Device = config.DEFAULT_DEVICE,
+    dtype: o.Dtype = config.DEFAULT_DTYPE,
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API whose prefix cache survives restarts.
+
+    Endpoints: POST /v1/chat/completions and /v1/completions (stream or not), GET /v1/models,
+    /health and /v1/kvsnap/stats. Every request reuses the longest prefix held in memory (the last
+    conversation) or in the block store (default: $KVSNAP_HOME/store), prefills only the rest, and
+    adds its new blocks to the store; usage.prompt_tokens_details.cached_tokens reports the reuse.
+    Requests are answered one at a time, in arrival order.
+
+      kvsnap serve --port 8080
+
+      curl http://127.0.0.1:8080/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+    """
+    from cli.batch import check_text
+    from cli.common import open_store
+    from kvsnap.errors import ConfigError
+    from kvsnap.models.resolve import kvsnap_home
+    from kvsnap.serve import ApiKeys, is_loopback, read_keys_file
+
+    keys_given = list(api_key or [])
+    if api_keys_file is not None:
+        keys_given += read_keys_file(api_keys_file)
+    if not is_loopback(host) and not keys_given:
+        raise ConfigError(
+            f"--host {host} can be reached from other machines: give --api-key or --api-keys-file too "
+            "(or keep the default 127.0.0.1)"
+        )
+    if no_store and (store is not None or store_budget is not None):
+        raise ConfigError("--no-store cannot be combined with --store or --store-budget")
+    check_text("--namespace", namespace)
+    keys = ApiKeys(keys_given, namespace)
+    session_config = config.SessionConfig(block_size=block_size, chunk_size=chunk_size, namespace=namespace)
+    session_config.check(with_store=not no_store)
+    sock = _bind(host, port)  # a busy port fails now, not after the model load
+    try:
+        store_path = None if no_store else (store or kvsnap_home() / "store")
+        block_store = open_store(store_path, store_budget) if store_path is not None else None
+        lm = ui.load_model(model, device, dtype, check_layout=session_config.check_layout)
+        _run(lm, session_config, block_store, keys, max_queue, sock, model)
+    finally:
+        sock.close()
+
+
+def _bind(host: str, port: int):
+    import socket
+
+    from kvsnap.errors import ConfigError
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, UnicodeError) as exc:
+        raise ConfigError(f"cannot listen on {host}:{port} ({getattr(exc, 'strerror', None) or exc})") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from None
+    return sock
+
+
+def _run(lm, session_config, block_store, keys, max_queue: int, sock, spec: str) -> None:
+    import uvicorn
+
+    from cli.serve_app import ServerState, build_app
+    from kvsnap.serve import Service, Turns
+
+    service = Service(lm, session_config, block_store, aliases=(spec,))
+    state = ServerState(service, keys, Turns(max_queue), ui.note)
+    app = build_app(state)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # Ctrl-C: running answers stop at their next token instead of holding the shutdown.
+            state.cancel_all()
+            super().handle_exit(sig, frame)
+
+    cfg = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=3)
+    host, port = sock.getsockname()[:2]
+    where = f"[{host}]" if ":" in host else host
+    cache = f"block store {block_store.path}" if block_store is not None else "no block store (memory only)"
+    auth = f", {ui.plural(len(keys), 'API key')}" if keys.required else ""
+    ui.note(f"serving {service.model_id} at http://{where}:{port}/v1 ({cache}{auth}); Ctrl-C stops")
+    Server(cfg).run(sockets=[sock])
+    state.executor.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,185 @@
+"""Is reused KV still right? Recompute one restored block and compare it with what was restored.
+
+KV read from a snapshot or the store was computed by some earlier run: another kvsnap, torch or
+transformers version, another device kind. A change there (RoPE, attention numerics, a kernel) can
+make it differ from what the running model computes, and nothing else would notice: the answer is
+just worse. The check recomputes one restored block from its tokens over the restored prefix before
+it, in a scratch copy of the cache (the live cache is not touched), and compares
+
+- the block's K/V, recomputed vs restored, and
+- the next-token logits at the block's last position, computed over each of the two (the same
+  one-token forward both times, so only the KV differs),
+
+each against a tolerance relative to the largest magnitude compared (at least 1): float32 1e-3,
+float16 2e-2, bfloat16 5e-2 (``TOLERANCE``). On the default model a float32 recompute on the machine
+that made the KV differs by about 1e-6 of the largest value (other chunk sizes sum in another
+order), and bfloat16 KV computed another way (a float32 run, rounded) by about 1.7%, its logits by
+2.4%: the bounds sit above that noise and far below a real change (another RoPE, other weights:
+differences of the order of the values themselves).
+
+When it runs: on request (``verify=True``: the last restored full block), or by default when the
+versions or device that made a restored block differ from the running ones (``verify=None``: the
+last block whose ``made_by`` differs; nothing runs, and nothing is paid, when they all match). The
+cost is one block's prefill plus two one-token forwards and a copy of the KV before the block (on
+the default model on a CPU: about twice a resume's time to first token, a few percent of a cold prefill).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvsnap import provenance
+from kvsnap.errors import VerifyError
+
+if TYPE_CHECKING:
+    from kvsnap.engine.restore import RestoreStats
+    from kvsnap.engine.session import Session
+    from kvsnap.models.load import LoadedModel
+
+TOLERANCE = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 5e-2}
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """One spot check: which block, why, the differences found and what they were allowed to be."""
+
+    reason: str  # why it ran: "requested", or what differs ("transformers 4.57.1 -> 5.24.0")
+    block: int  # index of the block checked, in the restored source's block size
+    start: int  # its token positions [start, end)
+    end: int
+    tokens: int  # tokens run through the model for the check
+    max_abs_diff: float  # K/V, recomputed vs restored
+    logits_max_abs_diff: float  # next-token logits over the recomputed vs the restored KV
+    max_abs_allowed: float
+    logits_max_abs_allowed: float
+    tolerance: float  # relative to the largest magnitude compared (at least 1)
+    seconds: float
+    refused: str | None = None  # why the reuse was refused (then it was recomputed), None when it passed
+
+    def ledger(self) -> dict[str, Any]:
+        """The fields a ``TurnResult`` gets: ``verify_max_abs_diff``, ``verify_s`` and the details."""
+        details = {
+            "reason": self.reason,
+            "block": self.block,
+            "tokens": self.tokens,
+            "logits_max_abs_diff": self.logits_max_abs_diff,
+            "max_abs_allowed": self.max_abs_allowed,
+            "logits_max_abs_allowed": self.logits_max_abs_allowed,
+            "tolerance": self.tolerance,
+            "passed": self.refused is None,
+        }
+        return {"verify": details, "verify_max_abs_diff": self.max_abs_diff, "verify_s": round(self.seconds, 6)}
+
+
+def device_kind(device: torch.device) -> str:
+    """``cpu``, ``mps`` or ``cuda <GPU name>``: kernels, and so numerics, differ between kinds."""
+    if device.type == "cuda":
+        return f"cuda {torch.cuda.get_device_name(device)}"
+    return device.type
+
+
+def running_made_by(lm: LoadedModel) -> dict[str, str]:
+    """What computes KV in this process (recorded in snapshots and store blocks)."""
+    import transformers
+
+    import kvsnap
+
+    return {
+        "kvsnap": kvsnap.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": device_kind(lm.device),
+    }
+
+
+def recorded(session: Session) -> dict[str, Any]:
+    """The ``made_by`` a save records (as ``{"made_by": ...}``; ``{}`` for unknown): the running versions,
+    unless the session holds restored KV that other versions made and no check vouched for. Then that
+    record stays (or none), so the next resume checks it again instead of trusting it by its new label."""
+    running = running_made_by(session.lm)
+    for text in session.inherited_made_by:
+        if provenance.differences(text, running):
+            made = provenance.parse(text)
+            return {"made_by": made} if made is not None else {}
+    return {"made_by": running}
+
+
+def choose_block(stats: RestoreStats, num_tokens: int, verify: bool | None, running: dict[str, str]):
+    """``(block, reason)`` to check, or None: the last full block on request, else (automatic) the last
+    block made by other versions or another device, if any."""
+    bs = stats.block_size or num_tokens
+    full = num_tokens // bs
+    candidates = range(full - 1, -1, -1) if full else [0]  # a prefix shorter than a block: check it whole
+    made_by = stats.made_by
+    for i in candidates:
+        differs = provenance.differences(made_by[i] if i < len(made_by) else None, running)
+        if verify or differs:
+            reason = "; ".join(differs)
+            return i, ("requested" + (f" ({reason})" if reason else "") if verify else reason)
+    return None
+
+
+def check(session: Session, stats: RestoreStats | None, verify: bool | None, on_mismatch: str) -> VerifyReport | None:
+    """Spot check what ``session`` just restored (``stats``); None when no check was due.
+
+    A difference beyond the tolerance refuses the reuse: the restored KV is dropped (the session's messages
+    stay), then ``on_mismatch="error"`` raises ``VerifyError`` and ``"recompute"`` lets the prompt be computed
+    whole.
+    """
+    n = len(session.tokens)
+    if stats is None or verify is False or not n or not stats.hit_tokens:
+        return None
+    lm = session.lm
+    chosen = choose_block(stats, n, verify, running_made_by(lm))
+    if chosen is None:
+        return None
+    block, reason = chosen
+    bs = stats.block_size or n
+    start, end = block * bs, min((block + 1) * bs, n)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        kv, logits, kv_scale, logits_scale = _recompute(session, start, end)
+    tol = TOLERANCE[lm.layout.dtype]
+    kv_allowed, logits_allowed = tol * max(1.0, kv_scale), tol * max(1.0, logits_scale)
+    refused = None
+    if not (kv <= kv_allowed and logits <= logits_allowed):  # written so that NaN refuses too
+        refused = (
+            f"reused KV of block {block} (tokens {start:,}-{end - 1:,}) differs from a recompute by {kv:.3g} "
+            f"(logits {logits:.3g}), beyond the {lm.layout.dtype} tolerance ({kv_allowed:.3g}, logits "
+            f"{logits_allowed:.3g}); checked because: {reason}"
+        )
+    seconds = time.perf_counter() - t0
+    report = VerifyReport(
+        reason, block, start, end, end - start + 2, kv, logits, kv_allowed, logits_allowed, tol, seconds, refused
+    )
+    if refused is not None:
+        # Nothing restored is trusted now, not even the prefix before the block: it is all dropped (the
+        # messages stay), and the whole prompt is computed again, or the error says why not.
+        session._truncate(0)
+    session.inherited_made_by = ()  # checked (or dropped): what the session holds is its own now
+    if refused is not None and on_mismatch == "error":
+        raise VerifyError(f"{refused}; not reused")
+    return report
+
+
+def _recompute(session: Session, start: int, end: int) -> tuple[float, float, float, float]:
+    """Max |difference| of the K/V of tokens ``[start, end)`` and of the logits after ``end - 1``,
+    recomputed vs restored, and the largest restored magnitudes (K/V, logits)."""
+    lm, runner, live, ids = session.lm, session.runner, session.cache, session.tokens
+    restored = live.span(start, end).float()
+    # A scratch copy of the restored KV before the last token: its logits over the restored KV first,
+    # then the block recomputed over the restored prefix, then the same logits over the recomputed KV.
+    scratch = live.copy_prefix(lm.config, end - 1, end)
+    logits_restored = runner.forward(scratch, ids[end - 1 : end], end - 1)
+    scratch.crop(start)
+    runner.forward(scratch, ids[start:end], start)
+    recomputed = scratch.span(start, end).float()
+    scratch.crop(end - 1)
+    logits_recomputed = runner.forward(scratch, ids[end - 1 : end], end - 1)
+    kv = float((recomputed - restored).abs().max())
+    logits = float((logits_recomputed - logits_restored).abs().max())
+    return kv, logits, float(restored.abs().max()), float(logits_restored.abs().max())

@@ -1,0 +1,27 @@
+"""``kvsnap serve``'s logic without HTTP: the OpenAI shapes (``protocol``), API keys and their
+namespaces (``keys``), the one-at-a-time line (``turns``) and the request path (``service``).
+
+The HTTP server itself (Starlette and uvicorn) is ``cli/serve.py``. No torch at import.
+"""
+
+from kvsnap.serve.keys import ApiKeys, is_loopback, key_namespace, read_keys_file
+from kvsnap.serve.protocol import CHAT, COMPLETION, CompletionRequest, ServeError, parse_request
+from kvsnap.serve.service import Cancelled, Completion, Service
+from kvsnap.serve.turns import Ticket, Turns
+
+__all__ = [
+    "CHAT",
+    "COMPLETION",
+    "ApiKeys",
+    "Cancelled",
+    "Completion",
+    "CompletionRequest",
+    "ServeError",
+    "Service",
+    "Ticket",
+    "Turns",
+    "is_loopback",
+    "key_namespace",
+    "parse_request",
+    "read_keys_file",
+]

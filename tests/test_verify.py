@@ -1,0 +1,247 @@
+"""Verifying a reuse: snapshots and store blocks record what made their KV, and a spot check recomputes one
+restored block when asked, or when that record differs from the running versions or device.
+
+A snapshot whose KV is changed after saving and re-signed (every checksum recomputed, so the file passes
+every integrity check) must be caught by --verify; matching versions must cost no extra forward.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from core_helpers import rewrite_meta
+from typer.testing import CliRunner
+
+from cli.main import app
+from kvsnap import provenance
+from kvsnap.config import SamplingParams
+from kvsnap.engine import verify
+from kvsnap.engine.session import Session
+from kvsnap.errors import VerifyError
+from kvsnap.format import Snapshot, encode_block, write_snapshot
+from kvsnap.store import BlockIndex, BlockStore
+
+ROOT = Path(__file__).resolve().parents[1]
+BS = 8
+GREEDY = SamplingParams(max_new_tokens=4, temperature=0)
+runner = CliRunner()
+
+
+def ids(n: int, start: int = 5) -> list[int]:
+    return list(range(start, start + n))
+
+
+def saved(lm, path: Path, n: int = 40) -> Path:
+    s = Session(lm, block_size=BS)
+    s.prefill(ids(n))
+    s.save(path)
+    return path
+
+
+def perturb_and_resign(path: Path, block: int, delta: float = 0.5) -> None:
+    """Add ``delta`` to every K/V value of one block, then write the file again through the writer:
+    block checksums, hashes and the metadata checksum all match the changed bytes."""
+    with Snapshot(path) as snap:
+        meta, tokens, logits = snap.meta, list(snap.tokens), snap.last_logits()
+        raws = [bytes(r) for r in snap.read_raw(range(len(meta.blocks)))]
+    values = np.frombuffer(raws[block], dtype=np.float32) + np.float32(delta)
+    raws[block] = values.astype(np.float32).tobytes()
+    blocks = [
+        encode_block(raw, b.num_tokens, b.hash, meta.layout.itemsize, meta.codec, meta.level)
+        for raw, b in zip(raws, meta.blocks)
+    ]
+    write_snapshot(path, meta.header, tokens, blocks, last_logits=logits, messages=meta.messages)
+    with Snapshot(path) as snap:
+        assert snap.verify() == []  # sound by every integrity check
+
+
+def set_recorded(path: Path, **changes: str | None) -> None:
+    """Edit the recorded ``made_by`` of a snapshot (None removes the record), re-signing the metadata."""
+
+    def mutate(meta: dict) -> None:
+        if changes.get("made_by", "") is None:
+            meta["extra"].pop("made_by", None)
+            return
+        meta["extra"]["made_by"].update(changes)
+
+    rewrite_meta(path, mutate)
+
+
+def test_snapshots_record_what_made_them_and_inspect_shows_it(llama, tmp_path):
+    snap = saved(llama, tmp_path / "a.kv")
+    with Snapshot(snap) as s:
+        made = s.meta.extra["made_by"]
+    assert made == verify.running_made_by(llama) and set(made) == set(provenance.KEYS)
+    info = json.loads(runner.invoke(app, ["inspect", str(snap), "--json"]).stdout)
+    assert info["made_by"] == made
+    shown = runner.invoke(app, ["inspect", str(snap)]).stdout
+    assert f"transformers {made['transformers']}" in shown and "on cpu" in shown
+    set_recorded(snap, made_by=None)
+    assert "not recorded" in runner.invoke(app, ["inspect", str(snap)]).stdout
+
+
+def test_verify_catches_kv_changed_after_saving_and_resigned(llama, tmp_path):
+    snap = saved(llama, tmp_path / "a.kv")
+    perturb_and_resign(snap, block=4)  # the last full block of 40 tokens: the one --verify recomputes
+    prompt = ids(40) + [70, 71, 72]
+    with pytest.raises(VerifyError, match="differs from a recompute"):
+        Session(llama, block_size=BS, verify=True).run(prompt, GREEDY, resume=snap)
+    result = Session(llama, block_size=BS, verify=True).run(prompt, GREEDY, resume=snap, on_mismatch="recompute")
+    assert result.verify is not None and not result.verify["passed"]
+    assert result.verify_max_abs_diff == pytest.approx(0.5, rel=1e-3)
+    assert "differs from a recompute" in result.restore_error
+    assert result.hit_tokens == 0 and result.prefill_tokens == len(prompt)
+    assert result.text == Session(llama, block_size=BS).run(prompt, GREEDY).text
+    # Without the check the changed KV is trusted: that is what the check is for.
+    assert Session(llama, block_size=BS, verify=False).run(prompt, GREEDY, resume=snap).hit_tokens == 40
+
+
+def test_verify_passes_sound_kv_at_the_cost_of_one_block(llama, tmp_path, forward_counter):
+    snap = saved(llama, tmp_path / "a.kv", n=43)  # 5 full blocks and a partial tail
+    prompt = ids(43) + [70, 71]
+    counter = forward_counter(llama)
+    result = Session(llama, block_size=BS, verify=True).run(prompt, GREEDY, resume=snap)
+    assert result.verify["passed"] and result.verify["reason"] == "requested" and result.verify["block"] == 4
+    assert result.verify_max_abs_diff == 0.0 and result.verify["logits_max_abs_diff"] == 0.0
+    assert result.verify_s > 0 and result.restore_error is None and result.hit_tokens == 43
+    assert counter.tokens == result.prefill_tokens + result.new_tokens - 1 + (BS + 2)
+
+
+def test_matching_versions_run_no_extra_forward(llama, tmp_path, forward_counter):
+    snap = saved(llama, tmp_path / "a.kv")
+    prompt = ids(40) + [70, 71, 72]
+    counter = forward_counter(llama)
+    session = Session(llama, block_size=BS)
+    seen = session.runner.tokens_seen
+    result = session.run(prompt, GREEDY, resume=snap)
+    assert result.verify is None and result.verify_s is None and result.hit_tokens == 40
+    assert counter.tokens == session.runner.tokens_seen - seen == result.prefill_tokens + result.new_tokens - 1
+
+
+def test_a_recorded_version_change_runs_the_check_by_itself(llama, tmp_path, forward_counter):
+    snap = saved(llama, tmp_path / "a.kv")
+    set_recorded(snap, transformers="4.0.0")
+    prompt = ids(40) + [70, 71, 72]
+    counter = forward_counter(llama)
+    result = Session(llama, block_size=BS).run(prompt, GREEDY, resume=snap)
+    assert result.verify is not None and result.verify["passed"]
+    assert result.verify["reason"].startswith("transformers 4.0.0 -> ")
+    assert counter.tokens == result.prefill_tokens + result.new_tokens - 1 + (BS + 2)
+    perturb_and_resign(snap, block=4)  # keeps the edited record: the automatic check now catches it
+    with pytest.raises(VerifyError, match="checked because: transformers 4.0.0"):
+        Session(llama, block_size=BS).run(prompt, GREEDY, resume=snap)
+
+
+def test_a_snapshot_without_a_record_is_checked(llama, tmp_path):
+    snap = saved(llama, tmp_path / "a.kv")
+    set_recorded(snap, made_by=None)
+    result = Session(llama, block_size=BS).run(ids(40) + [70], GREEDY, resume=snap)
+    assert result.verify["reason"] == "versions not recorded"
+
+
+def test_a_save_keeps_an_unchecked_foreign_record(llama, tmp_path):
+    """Resaving KV other versions made must not relabel it as this version's, unless a check vouched for it."""
+    snap = saved(llama, tmp_path / "a.kv")
+    set_recorded(snap, transformers="4.0.0")
+    s = Session(llama, block_size=BS, verify=False)
+    s.run(ids(40) + [70], GREEDY, resume=snap)
+    s.save(tmp_path / "b.kv")
+    with Snapshot(tmp_path / "b.kv") as b:
+        assert b.meta.extra["made_by"]["transformers"] == "4.0.0"
+    checked = Session(llama, block_size=BS)
+    checked.run(ids(40) + [70], GREEDY, resume=snap)
+    checked.save(tmp_path / "c.kv")
+    with Snapshot(tmp_path / "c.kv") as c:
+        assert c.meta.extra["made_by"] == verify.running_made_by(llama)
+
+
+def test_store_blocks_record_what_made_them_and_a_change_is_checked(llama, tmp_path, monkeypatch, forward_counter):
+    store = BlockStore(tmp_path / "store")
+    prompt = ids(40) + [70, 71]
+    Session(llama, block_size=BS, store=store).run(prompt, GREEDY)
+    index = store.read_index()
+    running = provenance.encode(verify.running_made_by(llama))
+    assert {r.made_by for r in index.blocks.values()} == {running}
+    data = index.to_json()
+    assert data["made_by"] == [json.loads(running)] and all(b["made_by"] == 0 for b in data["blocks"])
+    again = BlockIndex.from_json(data)
+    assert {r.made_by for r in again.blocks.values()} == {running}
+    assert next(iter(again.chains.values())).parts == tuple(sorted(llama.fingerprint_parts.items()))
+    assert store.tree()["roots"][0]["children"][0]["made_by"] == [json.loads(running)]
+
+    counter = forward_counter(llama)
+    same = Session(llama, block_size=BS, store=store).run(prompt, GREEDY)
+    assert same.restored_from == "store" and same.verify is None
+    assert counter.tokens == same.prefill_tokens + same.new_tokens - 1
+
+    newer = {**verify.running_made_by(llama), "transformers": "99.0"}
+    monkeypatch.setattr(verify, "running_made_by", lambda lm: newer)
+    result = Session(llama, block_size=BS, store=store).run(prompt, GREEDY)
+    assert result.restored_from == "store" and result.verify["passed"]
+    assert "-> 99.0" in result.verify["reason"] and result.verify["block"] == 4
+
+
+def test_an_index_without_records_still_loads(llama, tmp_path):
+    store = BlockStore(tmp_path / "store")
+    Session(llama, block_size=BS, store=store).run(ids(24), GREEDY)
+    data = store.read_index().to_json()
+    data.pop("made_by")
+    for b in data["blocks"]:
+        b.pop("made_by")
+    for c in data["chains"]:
+        c.pop("fingerprint_parts")
+    index = BlockIndex.from_json(data)
+    assert {r.made_by for r in index.blocks.values()} == {""} and index.check() == []
+
+
+def test_bfloat16_kv_passes_its_own_check(tiny_lm, tmp_path):
+    lm = tiny_lm("llama", "bfloat16")
+    snap = saved(lm, tmp_path / "b.kv")
+    result = Session(lm, block_size=BS, verify=True).run(ids(40) + [70], GREEDY, resume=snap)
+    assert result.verify["passed"] and result.verify["tolerance"] == verify.TOLERANCE["bfloat16"]
+
+
+def test_run_verify_flag_refuses_or_recomputes(tiny_model_dir, llama, tmp_path):
+    text = "Once upon a time there was a small cache that kept every key and value it had ever seen."
+    tokens = list(llama.tokenizer(text, add_special_tokens=False)["input_ids"])
+    prompt = text + " The quick brown fox."
+    assert list(llama.tokenizer(prompt, add_special_tokens=False)["input_ids"])[: len(tokens)] == tokens
+    s = Session(llama, block_size=BS)
+    s.prefill(tokens)
+    s.save(tmp_path / "a.kv")
+    perturb_and_resign(tmp_path / "a.kv", block=len(tokens) // BS - 1)
+    args = ["run", "--model", str(tiny_model_dir("llama")), "--device", "cpu", "--block-size", str(BS)]
+    args += ["--prompt", prompt, "--resume", str(tmp_path / "a.kv"), "--max-new-tokens", "2"]
+    refused = runner.invoke(app, [*args, "--verify"])
+    assert refused.exit_code == 1 and "differs from a recompute" in refused.stderr and "Traceback" not in refused.output
+    row = json.loads(runner.invoke(app, [*args, "--verify", "--on-mismatch", "recompute", "--json"]).stdout)
+    assert row["verify"]["passed"] is False and row["hit_tokens"] == 0 and "recompute" in row["restore_error"]
+    assert runner.invoke(app, [*args, "--no-verify", "--json"]).exit_code == 0
+    shown = runner.invoke(app, [*args, "--verify", "--on-mismatch", "recompute"])
+    assert f"verified block {len(tokens) // BS - 1}" in shown.stderr and "refused" in shown.stderr
+
+
+def test_chat_recomputes_a_conversation_whose_kv_fails_the_check(llama, tiny_model_dir, tmp_path, kvsnap_home):
+    s = Session(llama, block_size=BS)
+    s.chat("hello there", SamplingParams(max_new_tokens=12, temperature=0, stop_loops=False))
+    s.save(tmp_path / "chat.kv")
+    perturb_and_resign(tmp_path / "chat.kv", block=len(s.tokens) // BS - 1)
+    cmd = [sys.executable, "-m", "cli.main", "chat", "--model", str(tiny_model_dir("llama")), "--device", "cpu"]
+    cmd += ["--block-size", str(BS), "--resume", str(tmp_path / "chat.kv"), "--max-new-tokens", "2", "--verify"]
+    env = {**os.environ, "KVSNAP_HOME": str(kvsnap_home)}
+    run = lambda *extra: subprocess.run(  # noqa: E731
+        [*cmd, *extra], input="and now?\n", capture_output=True, text=True, cwd=ROOT, env=env, timeout=300
+    )
+    refused = run("--on-mismatch", "error")
+    assert refused.returncode == 1 and "differs from a recompute" in refused.stderr
+    kept = run("--on-mismatch", "recompute")
+    assert kept.returncode == 0, kept.stderr
+    assert "the conversation is kept and its KV computed again" in kept.stderr
+    with Snapshot(tmp_path / "chat.kv") as after:
+        assert len(after.meta.messages) == 4  # the earlier turn and the new one
