@@ -198,7 +198,7 @@ def test_ctrl_c_twice_still_saves_the_turn_on_screen(model, tmp_path, kvsnap_hom
     args = [a if a != "6" else "40" for a in base(model)]
     env = {**os.environ, "KVSNAP_HOME": str(kvsnap_home)}
     proc = subprocess.run(
-        [sys.executable, str(driver), *args, "--resume", str(path)],
+        [sys.executable, str(driver), *args, "--resume", str(path), "--reuse", "load"],  # no calibration saves
         input="tell me more\n",
         capture_output=True,
         text=True,
