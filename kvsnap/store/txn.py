@@ -95,17 +95,6 @@ def put_blocks(
     return stored, new, reused
 
 
-@staticmethod
-def _result(index: BlockIndex, hashes: list[bytes], new: int, reused: int, evicted: list[bytes]) -> PutResult:
-    kept = []
-    for h in hashes:
-        if h not in index.blocks:
-            break
-        kept.append(h)
-    tokens = sum(len(index.blocks[h].token_ids) for h in kept)
-    return PutResult(tuple(kept), tokens, new, reused, tuple(evicted))
-
-
 def put_result(index: BlockIndex, hashes: list[bytes], new: int, reused: int, evicted: list[bytes]) -> PutResult:
     kept = []
     for h in hashes:
