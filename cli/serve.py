@@ -142,6 +142,9 @@ def _run(lm, session_config, block_store, keys, max_queue: int, sock, spec: str)
             super().handle_exit(sig, frame)
 
     cfg = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=3)
+    # Listen before the address is announced: a client that reads it and connects at once (a script,
+    # the tests) waits in the backlog for uvicorn's loop instead of being refused.
+    sock.listen(128)
     host, port = sock.getsockname()[:2]
     where = f"[{host}]" if ":" in host else host
     cache = f"block store {block_store.path}" if block_store is not None else "no block store (memory only)"
