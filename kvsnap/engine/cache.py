@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kvsnap.engine import arena
 from kvsnap.errors import UnsupportedModelError
 from kvsnap.types import KVLayout
 
@@ -102,17 +103,19 @@ class KVCache(DynamicCache):
     def reserve(self, capacity: int, layout: KVLayout, device: torch.device) -> None:
         """Give every layer room for ``capacity`` tokens now, so a long prefill never regrows (and
         briefly doubles) its buffers chunk after chunk."""
-        dtype = TORCH_DTYPES[layout.dtype]
-        for layer in self.layers:
+        buffered = [layer for layer in self.layers if isinstance(layer, BufferedLayer)]
+        if all(layer._kbuf is not None and layer._kbuf.shape[-2] >= capacity for layer in buffered):
+            return
+        # One buffer for all layers, from the process's arena: its pages are mapped already when an
+        # earlier cache of this shape has been dropped.
+        buf = arena.kv_buffer(
+            layout.num_layers, layout.num_kv_heads, layout.head_dim, capacity, TORCH_DTYPES[layout.dtype], device
+        )
+        for i, layer in enumerate(self.layers):
             if not isinstance(layer, BufferedLayer):
                 continue
-            have = layer._kbuf.shape[-2] if layer._kbuf is not None else 0
-            if have >= capacity:
-                continue
             length = layer.keys.shape[-2] if layer.is_initialized and layer.keys.dim() == 4 else 0
-            shape = (1, layout.num_kv_heads, capacity, layout.head_dim)
-            kbuf = torch.empty(shape, dtype=dtype, device=device)
-            vbuf = torch.empty(shape, dtype=dtype, device=device)
+            kbuf, vbuf = buf[i, 0].unsqueeze(0), buf[i, 1].unsqueeze(0)
             if length:
                 kbuf[:, :, :length].copy_(layer.keys)
                 vbuf[:, :, :length].copy_(layer.values)
@@ -128,8 +131,7 @@ class KVCache(DynamicCache):
         """A new cache holding a copy of the first ``length`` tokens, with room for ``capacity``: work on
         it (a recompute to compare) leaves this cache as it is."""
         first = self.layers[0].keys
-        shape = (len(self.layers), 2, first.shape[1], capacity, first.shape[3])
-        buf = torch.empty(shape, dtype=first.dtype, device=first.device)
+        buf = arena.kv_buffer(len(self.layers), first.shape[1], first.shape[3], capacity, first.dtype, first.device)
         for i, layer in enumerate(self.layers):
             buf[i, 0, :, :length].copy_(layer.keys[0, :, :length])
             buf[i, 1, :, :length].copy_(layer.values[0, :, :length])
@@ -207,14 +209,28 @@ class Restorer:
         self.source_bytes_per_token = layout.bytes_per_token // layout.itemsize * self.source_dtype.itemsize
         self.num_tokens = num_tokens
         self.device = device
-        self.capacity = max(capacity or 0, num_tokens)
         self.dtype = TORCH_DTYPES[layout.dtype]
         L, H, D = layout.num_layers, layout.num_kv_heads, layout.head_dim
-        self.buf = torch.empty((L, 2, H, self.capacity, D), dtype=self.dtype, device=device)
+        self.buf = arena.kv_buffer(L, H, D, max(capacity or 0, num_tokens), self.dtype, device)
+        self.capacity = self.buf.shape[3]
         self.ring: _Ring | None = None
+        self._bytes: np.ndarray | None = None  # the buffer's bytes as numpy, made on first use
         if num_tokens and (ring_slots is not None or device.type != "cpu"):
             per_slot = min(block_tokens or num_tokens, num_tokens)
             self.ring = _Ring(ring_slots or RING_SLOTS, (L, 2, H, per_slot, D), self.dtype, device)
+
+    def target(self, start: int, block_tokens: int) -> np.ndarray | None:
+        """Where a whole block starting at ``start`` can be decoded straight into (a uint8 view of the
+        buffer, last axis the element's bytes), or None when it must come through ``write``: a
+        device buffer, a narrower stored dtype, or a block only partly used."""
+        if self.ring is not None or self.device.type != "cpu" or self.source_dtype != self.dtype:
+            return None
+        if start + block_tokens > self.num_tokens:
+            return None
+        if self._bytes is None:
+            L, _, H, cap, D = self.buf.shape
+            self._bytes = self.buf.view(torch.uint8).numpy().reshape(L, 2, H, cap, D, self.dtype.itemsize)
+        return self._bytes[:, :, :, start : start + block_tokens]
 
     @property
     def staging_bytes(self) -> int:
@@ -242,6 +258,7 @@ class Restorer:
             self.ring.send(src, dst)
 
     def finish(self, config) -> KVCache:
+        self._bytes = None
         if self.ring is not None:
             self.ring.drain()
         return cache_from_buffer(config, self.buf, self.num_tokens)

@@ -106,7 +106,9 @@ def from_snapshot(
         def sink(index: int, raw: np.ndarray) -> None:
             restorer.write(starts[index], meta.blocks[index].num_tokens, raw)
 
-        stored = snap.read_into(range(num_blocks), sink)
+        stored = snap.read_into(
+            range(num_blocks), sink, target=lambda index: restorer.target(starts[index], meta.blocks[index].num_tokens)
+        )
         whole = hit == meta.num_tokens
         logits = snap.last_logits() if whole else None
         cache = restorer.finish(lm.config)

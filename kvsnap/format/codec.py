@@ -130,6 +130,29 @@ def decode(
     raise CodecError(f"unknown codec {codec!r}")
 
 
+def decode_into(
+    stored: bytes | memoryview, raw_size: int, itemsize: int, codec: str, dst: np.ndarray, dtype=None
+) -> None:
+    """Decode ``stored`` straight into ``dst``: a uint8 array, possibly strided (a block's slice of a
+    larger KV buffer), whose C-order elements are the raw bytes in order and whose last axis is
+    ``itemsize`` long. Saves the copy out of a scratch buffer; raises ``CodecError`` as ``decode`` does."""
+    if dst.size != raw_size or dst.shape[-1] != itemsize:
+        raise ValueError(f"target of {dst.size} bytes (last axis {dst.shape[-1]}) for a {raw_size}-byte block")
+    if codec == "shuffle-zstd":
+        n, planes = _planes(stored, raw_size, itemsize)
+        for i, (mode, payload) in enumerate(planes):
+            plane = payload if mode == _PLANE_RAW else _zstd_decode(payload, n)
+            dst[..., i] = np.frombuffer(plane, dtype=np.uint8).reshape(dst.shape[:-1])
+        return
+    if codec == "raw":
+        if len(stored) != raw_size:
+            raise CodecError(f"raw block holds {len(stored)} bytes, expected {raw_size}")
+        data = stored
+    else:
+        data = decode(stored, raw_size, itemsize, codec, dtype=dtype)
+    dst[...] = np.frombuffer(data, dtype=np.uint8).reshape(dst.shape)
+
+
 def _encode_shuffled(raw: bytes | memoryview, itemsize: int, level: int) -> bytes:
     data = np.frombuffer(raw, dtype=np.uint8)
     if data.size % itemsize:

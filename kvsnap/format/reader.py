@@ -196,6 +196,16 @@ class Snapshot:
         except MemoryError:
             raise SnapshotError(f"{self.path}: block {index} declares more bytes than fit in memory") from None
 
+    def decode_block_into(self, index: int, stored: bytes | memoryview, dst: np.ndarray) -> None:
+        info = self.meta.blocks[index]
+        layout = self.meta.storage_layout
+        try:
+            codecs.decode_into(stored, info.raw_bytes, layout.itemsize, self.meta.codec, dst, layout.dtype)
+        except codecs.CodecError as exc:
+            raise SnapshotError(f"{self.path}: block {index} does not decode ({exc})") from None
+        except MemoryError:
+            raise SnapshotError(f"{self.path}: block {index} declares more bytes than fit in memory") from None
+
     def encoded_block(self, index: int, stored: bytes | memoryview) -> EncodedBlock:
         info = self.meta.blocks[index]
         origin = (self._mm, self.file_bytes) if isinstance(stored, memoryview) else None
@@ -207,17 +217,24 @@ class Snapshot:
         sink: Callable[[int, np.ndarray], None],
         *,
         workers: int = DECODE_WORKERS,
+        target: Callable[[int], np.ndarray | None] | None = None,
     ) -> list[memoryview]:
         """Decode the given blocks, each handed to ``sink(index, raw)`` in its worker thread; returns
         their stored bytes (views of the file, checksum verified), which a session keeps for its next save.
 
         ``raw`` is a scratch buffer reused afterwards: copy it out. Only these blocks' bytes are read.
+        ``target(index)`` may instead give the place the block's bytes go (see ``codec.decode_into``):
+        then it is decoded straight there and ``sink`` is not called for it.
         """
         scratch = Scratch()
 
         def one(index: int) -> memoryview:
             stored = self.read_stored(index)
-            sink(index, self.decode_block(index, stored, out=scratch.get(self.meta.blocks[index].raw_bytes)))
+            dst = target(index) if target is not None else None
+            if dst is not None:
+                self.decode_block_into(index, stored, dst)
+            else:
+                sink(index, self.decode_block(index, stored, out=scratch.get(self.meta.blocks[index].raw_bytes)))
             return stored
 
         return map_in_order(one, indices, workers)
