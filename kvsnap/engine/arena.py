@@ -22,6 +22,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # Free pooled buffers beyond this are let go (oldest first); a buffer larger than it is never pooled.
@@ -88,6 +89,23 @@ def kv_buffer(num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, 
             entry.refs = sys.getrefcount(entry.buf) - 1  # less the local name ``buf``, gone once returned
             _pool.append(entry)
         return buf
+
+
+def adopt(raw: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """``raw`` (uint8 ``[layers, 2, kv_heads, capacity, head_dim * itemsize]``, filled elsewhere: a
+    prefetch) as a ``dtype`` KV buffer, pooled like the others once its cache lets it go."""
+    buf = torch.from_numpy(raw).view(dtype)
+    if _use_count is None:
+        return buf
+    nbytes = buf.numel() * buf.element_size()
+    with _lock:
+        if nbytes <= MAX_POOLED_BYTES:
+            _make_room(nbytes)
+            entry = _Entry(buf, 0, 0)
+            entry.uses = _use_count(entry.buf.untyped_storage()._cdata)
+            entry.refs = sys.getrefcount(entry.buf) - 1
+            _pool.append(entry)
+    return buf
 
 
 def _make_room(nbytes: int) -> None:

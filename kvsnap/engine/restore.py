@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvsnap import prefix, provenance
-from kvsnap.engine.cache import KVCache, Restorer
+from kvsnap.engine import arena
+from kvsnap.engine.cache import TORCH_DTYPES, KVCache, Restorer, cache_from_buffer
+from kvsnap.format import prefetch
 from kvsnap.format.reader import Snapshot
 from kvsnap.models.load import LoadedModel
 from kvsnap.types import EncodedBlock
@@ -73,7 +75,13 @@ def from_snapshot(
     loading it: then no block is read and nothing is restored (a chat keeps its messages).
     """
     t0 = time.perf_counter()
-    with Snapshot(path) as snap:
+    # Decoded in the background while the model loaded (kvsnap.format.prefetch), when the CLI asked:
+    # the same checks follow, and only the cache is built differently.
+    pre = prefetch.claim(path)
+    if pre is not None and lm.device.type != "cpu":
+        pre.snapshot.close()
+        pre = None
+    with pre.snapshot if pre is not None else Snapshot(path) as snap:
         meta = snap.meta
         root = root_for(meta.block_size)
         snap.check_compatible(
@@ -92,26 +100,14 @@ def from_snapshot(
             messages = list(meta.messages) if (prompt_ids is None and meta.messages is not None) else None
             stats = RestoreStats(str(path), meta.num_tokens, 0, 0, time.perf_counter() - t0)
             return Restored(KVCache(lm.config), [], None, {}, messages, stats)
-        room = max(len(prompt_ids or ()), hit) + DECODE_ROOM
-        restorer = Restorer(
-            lm.layout,
-            hit,
-            lm.device,
-            capacity=room,
-            storage_dtype=meta.storage_layout.dtype,
-            block_tokens=meta.block_size,
-        )
-        starts = [i * meta.block_size for i in range(num_blocks)]
-
-        def sink(index: int, raw: np.ndarray) -> None:
-            restorer.write(starts[index], meta.blocks[index].num_tokens, raw)
-
-        stored = snap.read_into(
-            range(num_blocks), sink, target=lambda index: restorer.target(starts[index], meta.blocks[index].num_tokens)
-        )
+        if pre is not None:
+            cache = cache_from_buffer(lm.config, arena.adopt(pre.kv, TORCH_DTYPES[lm.layout.dtype]), hit)
+            stored = pre.stored
+            pre = None  # the cache holds the buffer now
+        else:
+            cache, stored = _read_blocks(lm, snap, prompt_ids, hit, num_blocks)
         whole = hit == meta.num_tokens
         logits = snap.last_logits() if whole else None
-        cache = restorer.finish(lm.config)
         encoded = {}
         # Blocks kept as read are written as they are by the next save, if it encodes them the same way.
         if meta.block_size == block_size and (meta.codec, meta.storage_layout.dtype) == (codec, storage_dtype):
@@ -125,6 +121,29 @@ def from_snapshot(
     seconds = time.perf_counter() - t0
     stats = RestoreStats(str(path), meta.num_tokens, hit, num_blocks, seconds, meta.block_size, made_by)
     return Restored(cache, tokens, logits, encoded, messages, stats)
+
+
+def _read_blocks(lm: LoadedModel, snap: Snapshot, prompt_ids, hit: int, num_blocks: int) -> tuple[KVCache, list]:
+    """The first ``num_blocks`` blocks decoded into a cache of ``hit`` tokens, and their stored bytes."""
+    meta = snap.meta
+    room = max(len(prompt_ids or ()), hit) + DECODE_ROOM
+    restorer = Restorer(
+        lm.layout,
+        hit,
+        lm.device,
+        capacity=room,
+        storage_dtype=meta.storage_layout.dtype,
+        block_tokens=meta.block_size,
+    )
+    starts = [i * meta.block_size for i in range(num_blocks)]
+
+    def sink(index: int, raw: np.ndarray) -> None:
+        restorer.write(starts[index], meta.blocks[index].num_tokens, raw)
+
+    stored = snap.read_into(
+        range(num_blocks), sink, target=lambda index: restorer.target(starts[index], meta.blocks[index].num_tokens)
+    )
+    return restorer.finish(lm.config), stored
 
 
 def from_store(

@@ -52,6 +52,7 @@ class Snapshot:
             except OSError:
                 now = None
             if now is not None and _identity(now) == _identity(st):
+                self.identity = _identity(st)  # the file mapped: a later stat of the path tells if it was replaced
                 break
             self.close()
         else:
