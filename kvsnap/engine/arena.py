@@ -36,6 +36,8 @@ def _default_budget() -> int:
     return min(4 << 30, ram // 4)
 
 
+# KVSNAP_ARENA=0 turns pooling off (every buffer fresh): for measuring what the pool buys.
+ENABLED = os.environ.get("KVSNAP_ARENA", "1") != "0"
 MAX_POOLED_BYTES = int(os.environ.get("KVSNAP_ARENA_BYTES") or 0) or _default_budget()
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
@@ -69,7 +71,7 @@ def kv_buffer(num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, 
     """
     device = torch.device(device)
     shape = (num_layers, 2, num_kv_heads, capacity, head_dim)
-    if _use_count is None or device.type != "cpu":
+    if _use_count is None or device.type != "cpu" or not ENABLED:
         return torch.empty(shape, dtype=dtype, device=device)
     with _lock:
         best = None
@@ -80,6 +82,12 @@ def kv_buffer(num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, 
             _pool.remove(best)
             _pool.append(best)  # most recently used last: eviction takes the oldest
             return best.buf
+        # Room up to the next power of two: untouched pages cost nothing, a cache that grows into
+        # them never regrows (copying its history), and pooled buffers come in few sizes to match.
+        rounded = 1 << max(8, (capacity - 1).bit_length())
+        per_token = num_layers * 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        if rounded * per_token <= MAX_POOLED_BYTES:
+            shape = (num_layers, 2, num_kv_heads, rounded, head_dim)
         buf = torch.empty(shape, dtype=dtype, device=device)
         nbytes = buf.numel() * buf.element_size()
         if nbytes <= MAX_POOLED_BYTES:
@@ -95,7 +103,7 @@ def adopt(raw: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """``raw`` (uint8 ``[layers, 2, kv_heads, capacity, head_dim * itemsize]``, filled elsewhere: a
     prefetch) as a ``dtype`` KV buffer, pooled like the others once its cache lets it go."""
     buf = torch.from_numpy(raw).view(dtype)
-    if _use_count is None:
+    if _use_count is None or not ENABLED:
         return buf
     nbytes = buf.numel() * buf.element_size()
     with _lock:
