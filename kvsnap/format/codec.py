@@ -78,6 +78,29 @@ def _zstd_decode(data: bytes | memoryview, size: int) -> bytes:
     return out
 
 
+def _zstd_plane(data: bytes | memoryview, size: int) -> np.ndarray:
+    """``_zstd_decode`` into this thread's reusable plane buffer (valid until its next call here):
+    a fresh output object per block costs an allocation and page faults every time."""
+    _check_declared(data, size)
+    end = _frame_end(memoryview(data).cast("B"))
+    if end != len(data):
+        raise CodecError(f"zstd: {len(data) - end} bytes after the frame")
+    buf = getattr(_local, "plane", None)
+    if buf is None or buf.size < size + 1:
+        buf = _local.plane = np.empty(size + 1, dtype=np.uint8)
+    view = memoryview(buf)[: size + 1]  # one byte more: a frame that decodes longer than declared shows
+    got = 0
+    try:
+        with _decompressor().stream_reader(data) as reader:
+            while got <= size and (k := reader.readinto(view[got:])):
+                got += k
+    except zstd.ZstdError as exc:
+        raise CodecError(f"zstd: {exc}") from None
+    if got != size:
+        raise CodecError(f"zstd produced {got if got <= size else 'more than ' + str(size)} bytes, expected {size}")
+    return buf[:size]
+
+
 def encode(
     raw: bytes | memoryview,
     itemsize: int,
@@ -141,8 +164,8 @@ def decode_into(
     if codec == "shuffle-zstd":
         n, planes = _planes(stored, raw_size, itemsize)
         for i, (mode, payload) in enumerate(planes):
-            plane = payload if mode == _PLANE_RAW else _zstd_decode(payload, n)
-            dst[..., i] = np.frombuffer(plane, dtype=np.uint8).reshape(dst.shape[:-1])
+            plane = np.frombuffer(payload, dtype=np.uint8) if mode == _PLANE_RAW else _zstd_plane(payload, n)
+            dst[..., i] = plane.reshape(dst.shape[:-1])
         return
     if codec == "raw":
         if len(stored) != raw_size:
@@ -254,11 +277,7 @@ def _decode_shuffled(
     # [n, itemsize] view of the output: plane i fills column i.
     grid = flat.reshape(n, itemsize)
     for i, (mode, payload) in enumerate(planes):
-        if mode == _PLANE_RAW:
-            plane = np.frombuffer(payload, dtype=np.uint8)
-        else:
-            plane = np.frombuffer(_zstd_decode(payload, n), dtype=np.uint8)
-        grid[:, i] = plane
+        grid[:, i] = np.frombuffer(payload, dtype=np.uint8) if mode == _PLANE_RAW else _zstd_plane(payload, n)
     return result
 
 
