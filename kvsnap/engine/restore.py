@@ -19,6 +19,7 @@ from kvsnap import prefix, provenance
 from kvsnap.engine import arena
 from kvsnap.engine.cache import TORCH_DTYPES, KVCache, Restorer, cache_from_buffer
 from kvsnap.format import prefetch
+from kvsnap.format.pool import Scratch, map_in_order
 from kvsnap.format.reader import Snapshot
 from kvsnap.models.load import LoadedModel
 from kvsnap.types import EncodedBlock
@@ -194,19 +195,17 @@ def from_store(
         hit = match.hit_tokens
         layout = lm.layout
         restorer = Restorer(layout, hit, lm.device, capacity=len(prompt_ids) + DECODE_ROOM, block_tokens=block_size)
-        scratch = np.empty(block_size * layout.bytes_per_token, dtype=np.uint8)
-        try:
-            for i, block in enumerate(blocks):
-                restorer.write(i * block_size, block_size, block.decode(layout.itemsize, out=scratch))
+        failed = _decode_store_blocks(restorer, blocks, block_size, layout.itemsize)
+        if failed is None:
             break
-        except StoreError as exc:
-            # Its checksum held but it does not decode (an index entry edited by hand): drop it, then
-            # take the blocks before it. The shorter prompt ends the loop even if the drop cannot be saved.
-            line = str(exc)
-            with contextlib.suppress(StoreError):
-                line = store.drop_damaged(blocks[i].record.hash, line)
-            report(line)
-            limit = i * block_size
+        # Its checksum held but it does not decode (an index entry edited by hand): drop it, then
+        # take the blocks before it. The shorter prompt ends the loop even if the drop cannot be saved.
+        i, exc = failed
+        line = str(exc)
+        with contextlib.suppress(StoreError):
+            line = store.drop_damaged(blocks[i].record.hash, line)
+        report(line)
+        limit = i * block_size
     encoded = {b.record.hash: b.encoded() for b in blocks if b.record.codec == codec}
     made_by = tuple(b.record.made_by for b in blocks)
     stats = RestoreStats("store", hit, hit, len(blocks), time.perf_counter() - t0, block_size, made_by)
@@ -232,9 +231,9 @@ def from_store_session(lm: LoadedModel, store: BlockStore, name: str, root: byte
     layout = lm.layout
     num_tokens = len(record.token_ids)
     restorer = Restorer(layout, num_tokens, lm.device, capacity=num_tokens + DECODE_ROOM, block_tokens=chain.block_size)
-    scratch = np.empty(chain.block_size * layout.bytes_per_token, dtype=np.uint8)
-    for i, block in enumerate(blocks):
-        restorer.write(i * chain.block_size, len(block.record.token_ids), block.decode(layout.itemsize, out=scratch))
+    failed = _decode_store_blocks(restorer, blocks, chain.block_size, layout.itemsize)
+    if failed is not None:
+        raise failed[1]
     encoded = {b.record.hash: b.encoded() for b in blocks if b.record.full and b.record.codec == codec}
     last = np.frombuffer(logits, dtype="<f4").copy() if logits is not None else None
     messages = [dict(m) for m in record.messages] if record.messages is not None else None
@@ -243,3 +242,29 @@ def from_store_session(lm: LoadedModel, store: BlockStore, name: str, root: byte
     where = f"store session {name!r}"
     stats = RestoreStats(where, num_tokens, num_tokens, len(blocks), seconds, chain.block_size, made_by)
     return Restored(restorer.finish(lm.config), list(record.token_ids), last, encoded, messages, stats)
+
+
+def _decode_store_blocks(restorer: Restorer, blocks, block_size: int, itemsize: int) -> tuple[int, Exception] | None:
+    """Decode store blocks (the ``i``-th at token ``i * block_size``) into ``restorer`` on the decode
+    threads; the first block in order that does not decode, with its ``StoreError``, or None."""
+    from kvsnap.errors import StoreError
+
+    scratch = Scratch()
+
+    def one(i: int) -> StoreError | None:
+        block = blocks[i]
+        start, n = i * block_size, len(block.record.token_ids)
+        try:
+            dst = restorer.target(start, n)
+            if dst is not None:
+                block.decode_into(itemsize, dst)
+            else:
+                restorer.write(start, n, block.decode(itemsize, out=scratch.get(block.record.raw_bytes)))
+        except StoreError as exc:
+            return exc
+        return None
+
+    for i, exc in enumerate(map_in_order(one, range(len(blocks)))):
+        if exc is not None:
+            return i, exc
+    return None

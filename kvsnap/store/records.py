@@ -124,6 +124,16 @@ class StoredBlock:
         except MemoryError:
             raise StoreError(f"block {r.hash.hex()[:12]} declares more bytes than fit in memory") from None
 
+    def decode_into(self, itemsize: int, dst: np.ndarray) -> None:
+        """Decode straight into ``dst`` (see ``codec.decode_into``)."""
+        r = self.record
+        try:
+            codecs.decode_into(self.data, r.raw_bytes, itemsize, r.codec, dst)
+        except codecs.CodecError as exc:
+            raise StoreError(f"block {r.hash.hex()[:12]} does not decode ({exc})") from None
+        except MemoryError:
+            raise StoreError(f"block {r.hash.hex()[:12]} declares more bytes than fit in memory") from None
+
 
 @dataclass(frozen=True, slots=True)
 class GcReport:
