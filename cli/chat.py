@@ -3,6 +3,11 @@
 What it promises: an autosave never replaces a snapshot this chat does not continue (another
 conversation, a document primed by ``run``, a file someone else saved since) unless the user says
 so; it saves beside it instead and says where. Every message names the file that holds what.
+
+The autosave after an answer runs in the background (``kvsnap.engine.background_save``): the prompt
+comes back at once. Nothing touches the session until that save is done: the next message or command,
+and the exit, wait for it first (Ctrl-C is held meanwhile, so the turn on screen is never lost), and a
+save that failed is reported then, with the previous file unchanged (saves are atomic).
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ class Keeping:
     target: object | None  # kvsnap.autosave.AutosaveTarget
     store_name: str | None
     force: bool  # the user allowed replacing the autosave file whatever it holds
+    saver: object  # kvsnap.engine.background_save.BackgroundSaver: the autosave in flight, if any
+    saving_to: object | None = None  # the AutosaveTarget of that save
 
 
 @guarded
@@ -77,6 +84,7 @@ def chat(
     from cli.batch import check_save_target
     from kvsnap.autosave import AutosaveTarget, Held
     from kvsnap.config import ON_MISMATCH, check_choice
+    from kvsnap.engine.background_save import BackgroundSaver
     from kvsnap.errors import ConfigError, SnapshotError
 
     check_choice("--on-mismatch", on_mismatch, ("ask", *ON_MISMATCH))
@@ -108,7 +116,8 @@ def chat(
             ui.note(ui.resume_line(stats, recomputed=0))
             _describe_history(session, None, autosave)
             _verify(session, stats, on_mismatch, interactive)
-    keeping = Keeping(AutosaveTarget(autosave, seen=seen) if autosave is not None else None, opts.store_session, force)
+    target = AutosaveTarget(autosave, seen=seen) if autosave is not None else None
+    keeping = Keeping(target, opts.store_session, force, BackgroundSaver(session))
     _say_where(keeping, opts.store)
     if interactive:
         import readline  # noqa: F401  (line editing and history for input())
@@ -119,28 +128,42 @@ def chat(
 
 def _loop(session, params, keeping: Keeping, interactive: bool, system: str | None) -> None:
     gate = InterruptGate()
-    while True:
-        try:
-            entry = read_entry(input, interactive)
-        except EOFError:
-            if interactive:
+    try:
+        while True:
+            try:
+                if not _step(session, params, keeping, interactive, system, gate):
+                    return
+            except KeyboardInterrupt:  # at the prompt (or anywhere between turns): the chat goes on
                 ui.emit("\n")
-            return
-        except KeyboardInterrupt:
+                ui.note("(/exit or Ctrl-D to quit)")
+    finally:
+        _settle(keeping, gate)  # /exit, end of input, an error: the autosave in flight is finished first
+
+
+def _step(session, params, keeping: Keeping, interactive: bool, system: str | None, gate: InterruptGate) -> bool:
+    """Read one message or command and act on it; returns False to quit."""
+    if keeping.saver.done():  # the autosave finished while the answer was read: say how it went now
+        _settle(keeping, gate)
+    try:
+        entry = read_entry(input, interactive)
+    except EOFError:
+        if interactive:
             ui.emit("\n")
-            ui.note("(/exit or Ctrl-D to quit)")
-            continue
-        if entry is None:
-            continue
-        if isinstance(entry, Command):
-            if not _command(entry, session, keeping, interactive):
-                return
-            continue
-        assert isinstance(entry, Message)
-        with gate.turn():
-            _turn(entry.text, session, params, keeping, interactive, system, gate)
-        if gate.held:
-            ui.note("(Ctrl-C was held until the turn was saved)")
+        return False
+    if entry is None:
+        return True
+    # Whatever comes next may change the session (a turn crops and rewrites the cache), so the
+    # autosave in flight, which reads it, is finished first (see kvsnap.engine.background_save).
+    if _settle(keeping, gate) and isinstance(entry, Message):
+        ui.note("(the message was not sent)")
+        return True
+    if isinstance(entry, Command):
+        return _command(entry, session, keeping, interactive)
+    with gate.turn():
+        _turn(entry.text, session, params, keeping, interactive, system, gate)
+    if gate.held:
+        ui.note("(Ctrl-C was held until the turn was recorded)")
+    return True
 
 
 def _turn(text: str, session, params, keeping: Keeping, interactive: bool, system: str | None, gate) -> None:
@@ -172,7 +195,7 @@ def _turn(text: str, session, params, keeping: Keeping, interactive: bool, syste
         if result.store_error:
             ui.note(f"warning: {result.store_error}")
     if keeping.target is not None:
-        _autosave(session, keeping, interactive)
+        _autosave(session, keeping, interactive, background=True)
 
 
 def _describe_history(session, path: Path | None, autosave: Path | None) -> None:
@@ -230,9 +253,10 @@ def _refused(exc: Exception, policy: str, interactive: bool, autosave: Path | No
     return False
 
 
-def _autosave(session, keeping: Keeping, interactive: bool) -> None:
+def _autosave(session, keeping: Keeping, interactive: bool, *, background: bool = False) -> None:
     """Save to the autosave file, unless that would replace a conversation this chat does not continue:
-    then ask (terminal) or save beside it (no terminal), and say which file holds what."""
+    then ask (terminal) or save beside it (no terminal), and say which file holds what. The question is
+    asked here, on the main thread; with ``background`` only the write itself runs in a thread."""
     from kvsnap.autosave import AutosaveTarget, beside
 
     target = keeping.target
@@ -250,7 +274,11 @@ def _autosave(session, keeping: Keeping, interactive: bool) -> None:
         if choice == "b":
             ui.note(f"{conflict.reason}: saving this chat to {other} instead, and autosaving there from now on")
             keeping.target = target = AutosaveTarget(other)
-    _save(session, target)
+    if background:
+        keeping.saving_to = target
+        keeping.saver.start(target.path)
+    else:
+        _save(session, target)
 
 
 def _save(session, target) -> bool:
@@ -258,13 +286,41 @@ def _save(session, target) -> bool:
     from kvsnap.errors import KvsnapError
 
     try:
-        stats = session.save(target.path)
+        # Like the autosave (kvsnap.engine.background_save), the answer's last sampled token is left to the
+        # next turn: saving it would run the model first, and a /save after an autosave would encode again.
+        stats = session.save(target.path, flush=False)
     except KvsnapError as exc:
-        ui.error(f"{exc} (the conversation is kept; /save FILE to save elsewhere)")
+        _save_failed(exc)
         return False
     target.saved(session.tokens, session.messages)
     ui.note(ui.save_line(stats))
     return True
+
+
+def _save_failed(exc: Exception) -> None:
+    ui.error(f"{exc} (the conversation is kept; /save FILE to save elsewhere)")
+
+
+def _settle(keeping: Keeping, gate: InterruptGate) -> bool:
+    """Wait for the autosave in flight, if any, with Ctrl-C held (the turn on screen must not be lost),
+    and say how it went: a failure is one error line, and the previous file is unchanged. Returns True
+    when a Ctrl-C was held meanwhile."""
+    from kvsnap.errors import KvsnapError
+
+    if not keeping.saver.in_flight:
+        return False
+    saved = None
+    with gate.holding():
+        try:
+            saved = keeping.saver.wait()
+        except KvsnapError as exc:
+            _save_failed(exc)
+    if saved is not None:
+        keeping.saving_to.saved(saved.held.tokens, saved.held.messages, stamp=saved.stamp)
+        ui.note(ui.save_line(saved.stats))
+    if gate.held:
+        ui.note("(Ctrl-C was held until the turn was saved)")
+    return gate.held
 
 
 def _ask(question: str, choices: str, default: str) -> str:

@@ -62,7 +62,8 @@ def read_entry(read_line: Callable[[str], str], interactive: bool) -> Message | 
 
 
 class InterruptGate:
-    """Ctrl-C during a turn stops the answer once; a second Ctrl-C is held until the turn is saved.
+    """Ctrl-C during a turn stops the answer once; a second Ctrl-C is held until the turn is recorded
+    and its autosave started, and Ctrl-C during a wait for that save (``holding``) is held until it is done.
 
     Without it a second Ctrl-C, pressed while the interrupted answer is being recorded and autosaved,
     ended the chat (exit 130) with the turn on screen but not saved.
@@ -81,12 +82,23 @@ class InterruptGate:
     @contextmanager
     def turn(self) -> Iterator[None]:
         """Around a turn and its autosave: the first Ctrl-C interrupts, later ones are held."""
+        with self._installed(armed=True):
+            yield
+
+    @contextmanager
+    def holding(self) -> Iterator[None]:
+        """Around a wait for a save in flight: every Ctrl-C is held (``held`` says whether one came)."""
+        with self._installed(armed=False):
+            yield
+
+    @contextmanager
+    def _installed(self, armed: bool) -> Iterator[None]:
+        self.armed, self.held = armed, False
         try:
             previous = signal.signal(signal.SIGINT, self._handler)
         except ValueError:  # not the main thread: signals cannot be handled here
             yield
             return
-        self.armed, self.held = True, False
         try:
             yield
         finally:

@@ -73,9 +73,12 @@ class AutosaveTarget:
             return Conflict(self.path, f"{self.path} holds {len(held.tokens):,} tokens this chat does not continue")
         return None
 
-    def saved(self, tokens: Sequence[int], messages: Sequence[dict[str, str]] | None) -> None:
-        """Record that this chat just wrote ``tokens`` and ``messages`` to the file."""
-        self._stamp = FileStamp.of(self.path)
+    def saved(
+        self, tokens: Sequence[int], messages: Sequence[dict[str, str]] | None, *, stamp: FileStamp | None = None
+    ) -> None:
+        """Record that this chat just wrote ``tokens`` and ``messages`` to the file; ``stamp``: the file's
+        identity taken right after that write (a save in the background), else it is taken now."""
+        self._stamp = stamp if stamp is not None else FileStamp.of(self.path)
         self._held = Held.of(tokens, messages)
 
 

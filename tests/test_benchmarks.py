@@ -47,8 +47,19 @@ def test_resume_benchmark(bench, tiny_model_dir):
     assert row["tokens"] == 160 and data["codec"] == "shuffle-zstd"
     # The snapshot holds the 128-token prefix, compressed: smaller than the raw KV it holds.
     assert 0 < row["file_bytes"] < row["kv_bytes"]
-    for key in ("in_memory_ttft_s", "new_process_cold_ttft_s", "new_process_resumed_ttft_s", "new_process_st_load_s"):
+    keys = ("in_memory_ttft_s", "new_process_cold_ttft_s", "new_process_resumed_ttft_s", "new_process_st_load_s")
+    for key in (*keys, "new_process_prefetched_ttft_s"):
         assert row[key] > 0, key
+
+
+def test_restore_levers_benchmark_times_every_variant_per_codec(bench, tiny_model_dir):
+    out, data = bench("restore_levers", "--model", str(tiny_model_dir("llama")), "--lengths", "200", "--repeats", "1")
+    assert out.startswith("machine: ")
+    assert [(r["tokens"], r["codec"]) for r in data["rows"]] == [(200, "shuffle-zstd"), (200, "raw")]
+    for row in data["rows"]:
+        assert row["read_s"] > 0
+        for name in ("before", "arena", "now"):
+            assert row[f"{name}_s"] > 0 and row[f"{name}_vs_read"] > 0, name
 
 
 def test_crossover_benchmark(bench, tiny_model_dir):
@@ -68,6 +79,15 @@ def test_save_benchmark_encodes_only_the_new_block(bench, tiny_model_dir):
     # 256 + 16 tokens: 4 full blocks were encoded by the first save, only the new tail block now.
     assert row["blocks"] == 5 and row["new_blocks"] == 1
     assert row["store_new_blocks"] == 1
+
+
+def test_autosave_benchmark_times_both_ways(bench, tiny_model_dir):
+    out, data = bench("autosave", "--model", str(tiny_model_dir("llama")), "--history", "128", "--repeats", "1")
+    assert out.startswith("machine: ")
+    (row,) = data["rows"]
+    assert row["history"] > 128 and row["file_mb"] > 0
+    for key in ("inline_prompt_s", "background_prompt_s", "background_save_s"):
+        assert row[key] > 0, key
 
 
 def test_chunked_benchmark(bench, tiny_model_dir):
@@ -127,3 +147,18 @@ def test_chat_quality_benchmark(bench, tiny_model_dir):
     rows = {r["setting"]: r for r in data["rows"]}
     assert rows["greedy"]["answers"] == 5 and rows["t0.2 p0.9"]["answers"] == 10  # greedy needs one seed
     assert all(0 <= r["correct"] <= 1 for r in rows.values()) and "correct" in out
+
+
+def test_startup_benchmark_times_each_stage_of_a_new_process(bench, tiny_model_dir):
+    args = ("--model", str(tiny_model_dir("llama")), "--device", "cpu", "--lengths", "160", "--repeats", "1")
+    out, data = bench("startup", *args)
+    assert out.startswith("machine: ")
+    (label,) = data["trees"]
+    resume, cold = data["summary"]["160"][f"{label} resume"], data["summary"]["160"][f"{label} cold"]
+    for stage in ("interpreter", "cli imports", "load: torch", "load: weights", "session", "prefill", "exit"):
+        assert resume[stage]["median"] > 0 and cold[stage]["median"] > 0, stage
+    assert resume["restore"]["median"] > cold.get("restore", {"median": 0})["median"]  # cold: nothing to read
+    # The stages of one process add up to no more than its wall time.
+    for run in data["runs"]:
+        parts = sum(v for k, v in run["stages"].items() if k not in ("total", "cpu"))
+        assert 0 < parts <= run["stages"]["total"] * 1.01

@@ -163,7 +163,7 @@ def test_a_refused_snapshot_in_a_piped_chat_names_the_way_out(model, tmp_path, k
 
 DRIVER = textwrap.dedent(
     """
-    import os, signal, sys
+    import os, signal, sys, time
     sys.path.insert(0, {root!r})
     from cli import ui
     from kvsnap.engine.session import Session
@@ -177,9 +177,10 @@ DRIVER = textwrap.dedent(
         if len(emitted) == 3:
             os.kill(os.getpid(), signal.SIGINT)
 
-    def save(self, path):  # the second one while the interrupted turn is being saved
+    def save(self, path, **kw):  # the second one while the interrupted turn is being saved (in the background,
+        time.sleep(0.5)  # while the chat, at the end of its input, waits for that save before it exits)
         os.kill(os.getpid(), signal.SIGINT)
-        return real_save(self, path)
+        return real_save(self, path, **kw)
 
     ui.emit, Session.save = emit, save
     from cli.main import main

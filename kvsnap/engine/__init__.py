@@ -10,4 +10,5 @@ storing        a session's blocks into the block store, with what made them
 chat_template  chat messages -> token ids
 results        what a request and a save report
 session        ``Session``: restore -> chunked prefill -> decode -> save
+background_save  a session's save in a thread, the session left as it is until it is done
 """

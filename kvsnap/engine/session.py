@@ -399,14 +399,15 @@ class Session:
             storage_dtype=self.storage_dtype,
         )
 
-    def save(self, path: str | Path) -> SaveStats:
+    def save(self, path: str | Path, *, flush: bool = True) -> SaveStats:
         """Write the session (every token, prompt and generated) to a ``.kv`` file, atomically.
 
         Blocks compressed earlier in this session (or read from a snapshot) are written as they
-        are; only new blocks are encoded, in parallel threads.
+        are; only new blocks are encoded, in parallel threads. ``flush=False``: sampled tokens not yet
+        run through the model stay out of the file (a save that must not run the model: background_save).
         """
         t0 = time.perf_counter()
-        flushed = self.flush()
+        flushed = self.flush() if flush else 0
         n = len(self.tokens)
         final, encoded = self._encode_blocks(self.tokens)
         logits = self.last_logits.float().cpu().numpy() if self.last_logits is not None else None
