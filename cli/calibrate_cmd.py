@@ -25,10 +25,10 @@ def calibrate(
     than recomputing it. It measures once per machine, model and device on first use; this measures again
     (after a driver, library or hardware change).
     """
+    lm = ui.load_model(model, device, dtype)  # torch is imported in there (cli.startup)
     from kvsnap.engine.calibrate import cache_path
     from kvsnap.engine.calibrate import calibrate as measure
 
-    lm = ui.load_model(model, device, dtype)
     with ui.status("calibrating load vs recompute") as update:
         cost = measure(lm, progress=update)
     rows = []

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from cli import ui
+from cli import startup, ui
 from kvsnap.errors import KvsnapError
 
 if TYPE_CHECKING:
@@ -64,11 +64,14 @@ def open_session(opts: SessionOptions, session_config: SessionConfig | None = No
     """The Session ``chat`` and ``run`` work with: settings checked, the block store opened, then the model
     loaded. ``reuses``: a stored prefix may be loaded (--resume, --store, a batch), so ``--reuse auto``
     needs this machine's cost model: measured now, once, with progress, rather than silently mid-request."""
-    from kvsnap.engine.session import Session
-
     session_config = session_config or opts.session_config()
     block_store = open_store(opts.store, opts.store_budget)
+    startup.stamp("load")
+    # Imports torch and transformers too, inside the load's collector-off window (cli.startup).
     lm = ui.load_model(opts.model, opts.device, opts.dtype, check_layout=session_config.check_layout)
+    startup.stamp("loaded")
+    from kvsnap.engine.session import Session
+
     if session_config.reuse == "auto" and (reuses or block_store is not None):
         from kvsnap.engine.calibrate import cost_model
 

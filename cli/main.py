@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from cli import calibrate_cmd, chat, inspect_cmd, pull, run, serve, store_cmd
+from cli import calibrate_cmd, chat, inspect_cmd, pull, run, serve, startup, store_cmd
 from cli.common import state
 
 app = typer.Typer(
@@ -72,6 +72,8 @@ app.add_typer(store_cmd.app, name="store")
 
 
 def main() -> None:
+    startup.own_process = True
+    startup.stamp("main")
     try:
         app()
     except BrokenPipeError:
@@ -82,6 +84,8 @@ def main() -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         sys.exit(1)
+    finally:
+        startup.exiting()
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from cli import options as o
-from cli import ui
+from cli import startup, ui
 from cli.common import guarded, open_session
 from kvsnap.config import RUN_SAMPLING
 
@@ -54,6 +54,7 @@ def run(
     The prompt is raw text: special-token text in it (<|im_end|>) is the control token. With --chat,
     --system or a job's "messages", special-token text is kept as plain text.
     """
+    startup.stamp("command")
     from cli.batch import Job, check_save_target, check_text, error_row, parse_jobs, read_lines, run_job
     from kvsnap.config import ON_MISMATCH, check_choice
     from kvsnap.errors import ConfigError, KvsnapError
@@ -85,6 +86,7 @@ def run(
         # Bytes, line by line: each line is decoded on its own, so one bad line is one error row.
         lines = read_lines(sys.stdin.buffer if str(batch) == "-" else _open_batch(batch))
     session = open_session(opts, session_config, reuses=resume is not None or batch is not None)
+    startup.stamp("session")
 
     if batch is None:
         job = Job(
@@ -116,6 +118,9 @@ def run(
             ui.note(f"warning: {row['store_error']}")
         if json_out:
             row.pop("id")
+            if startup.TIMINGS:  # benchmarks/startup.py
+                startup.stamp("done")
+                row["timings"] = {"stamps": dict(startup.stamps), "load": dict(session.lm.load_timings)}
             ui.print_json(row)
         else:
             if row["text"] and not row["text"].endswith("\n"):

@@ -133,3 +133,59 @@ def test_bfloat16_load_keeps_layout_but_changes_dtype(tiny_lm):
     assert lm.layout.dtype == "bfloat16"
     assert lm.layout.itemsize == 2
     assert next(lm.model.parameters()).dtype == torch.bfloat16
+
+
+def _converted_like(src, folder):
+    """``src`` rewritten as kvsnap's GGUF conversion writes a model (``resolve._save_dequantized``: a tied
+    embedding stored once, as ``lm_head.weight``, its other name in the file's metadata), marked ready."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    folder.mkdir()
+    resolve._save_dequantized(model, folder)
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
+            shutil.copy(f, folder / f.name)
+    (folder / resolve._READY).write_text("{}")
+    return folder
+
+
+def test_a_converted_tied_embedding_loads_without_a_random_fill(tmp_path):
+    """load_model reads the tensor a conversion stored once under the embedding's name (transformers would
+    fill the embedding with random numbers, then tie it over): the model is exactly the plain load's."""
+    from safetensors import safe_open
+    from tiny_models import build_tiny_model
+    from transformers import AutoModelForCausalLM
+
+    folder = _converted_like(build_tiny_model(tmp_path / "src", "llama", tie_word_embeddings=True), tmp_path / "m")
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert "lm_head.weight" in names and "model.embed_tokens.weight" not in names
+    assert models.load._tied_aliases(folder) == {"model.embed_tokens.weight": "lm_head.weight"}
+    lm = load_model(str(folder), device="cpu")
+    plain = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ours, theirs = lm.model.state_dict(), plain.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert lm.model.get_input_embeddings().weight is lm.model.get_output_embeddings().weight
+    ids = torch.tensor([lm.tokenizer("The capital of France is")["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(lm.model(ids).logits, plain(ids).logits)
+    assert set(lm.load_timings) >= {"torch", "transformers", "config", "model_class", "weights", "tokenizer"}
+
+
+def test_a_converted_folder_whose_model_does_not_tie_loads_as_written(tmp_path):
+    """The file says two names share a tensor but the config does not tie them: the renamed read would leave
+    the output layer unloaded, so the folder is loaded as it is written."""
+    from safetensors.torch import load_file
+    from tiny_models import build_tiny_model
+
+    folder = _converted_like(build_tiny_model(tmp_path / "src", "llama", tie_word_embeddings=True), tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    lm = load_model(str(folder), device="cpu")
+    stored = load_file(str(folder / "model.safetensors"))
+    assert torch.equal(lm.model.get_output_embeddings().weight, stored["lm_head.weight"])
+    assert lm.model.get_input_embeddings().weight is not lm.model.get_output_embeddings().weight
+    for name, tensor in stored.items():
+        assert torch.equal(lm.model.get_parameter(name), tensor), name

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,7 +12,7 @@ from typing import Any
 from kvsnap.config import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MODEL
 from kvsnap.errors import ConfigError, ModelError
 from kvsnap.models.fingerprint import config_file, fingerprint_of, fingerprint_parts
-from kvsnap.models.resolve import Progress, noop, quiet_transformers, resolve_model
+from kvsnap.models.resolve import Progress, is_ready, noop, quiet_transformers, resolve_model
 from kvsnap.types import KVLayout
 
 
@@ -68,6 +70,9 @@ class LoadedModel:
     max_positions: int | None = None  # the model's context in tokens (None: its config states none)
     # Sampling settings the model ships in generation_config.json (temperature, top_p, top_k), if any.
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
+    # Seconds each step of ``load_model`` took, in order (imports, config, model class, weights, ...):
+    # what a new process spends before its first token (benchmarks/startup.py).
+    load_timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def kv_dtype(self) -> str:
@@ -118,36 +123,51 @@ def load_model(
     ``check_layout`` (e.g. ``SessionConfig.check_layout``) sees the cache layout before the weights
     load, so a setting the model cannot take fails in a second, not after the load.
     """
+    timings: dict[str, float] = {}
+    mark = _Stopwatch(timings)
+    folder = resolve_model(spec, progress=progress, install=install)
+    mark("resolve")
+    # A new process imports torch and transformers here (~3.5 s on a slow CPU).
+    import torch  # noqa: F401
+
+    mark("torch")
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    mark("transformers")
     from kvsnap.engine import attention, cache
 
     quiet_transformers()
-
-    folder = resolve_model(spec, progress=progress, install=install)
+    mark("kvsnap.engine")
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     try:
         config = AutoConfig.from_pretrained(str(folder))
     except Exception as exc:
         raise ModelError(f"cannot read the model config in {folder}: {exc}") from None
+    mark("config")  # with the import of the model type's config module
     cache.check_supported(config)
     layout = cache.layout_of(config, torch_dtype)
     if check_layout is not None:
         check_layout(layout)
     progress(f"loading {spec}")
+    implementation = attention.implementation_for(dev)
+    mark("attention")  # registering kvsnap_sdpa imports transformers.modeling_utils, which any model needs
+    _import_model_class(config)
+    mark("model_class")
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(folder), dtype=torch_dtype, attn_implementation=attention.implementation_for(dev)
-        )
+        model = _from_pretrained(AutoModelForCausalLM, folder, torch_dtype, implementation)
     except Exception as exc:
         raise ModelError(f"cannot load the model in {folder}: {exc}") from None
+    mark("weights")
     try:
         model.to(dev).eval()
     except (RuntimeError, MemoryError) as exc:
         raise ModelError(f"cannot place {spec} on {dev}: {str(exc).splitlines()[0] if str(exc) else exc}") from None
+    mark("place")
     tokenizer = load_tokenizer(folder)
+    mark("tokenizer")
     parts = fingerprint_parts(folder, config_file(folder), layout.dtype)
+    mark("fingerprint")
     eos = set()
     for source in (getattr(model, "generation_config", None), config, tokenizer):
         value = getattr(source, "eos_token_id", None)
@@ -171,7 +191,84 @@ def load_model(
         eos_token_ids=frozenset(eos),
         max_positions=max_positions_of(config),
         sampling_defaults=sampling_defaults_of(folder),
+        load_timings=timings,
     )
+
+
+class _Stopwatch:
+    """``mark(step)`` records the seconds since the previous mark under ``step``."""
+
+    def __init__(self, into: dict[str, float]):
+        self.into = into
+        self.last = time.perf_counter()
+
+    def __call__(self, step: str) -> None:
+        now = time.perf_counter()
+        self.into[step] = self.into.get(step, 0.0) + now - self.last
+        self.last = now
+
+
+def _import_model_class(config) -> None:
+    """Import the model type's modeling module now (else ``from_pretrained`` does), so a load's time
+    says what importing it costs apart from the weights; a type without a causal-LM class is left
+    for ``from_pretrained`` to refuse in its own words."""
+    try:
+        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except Exception:
+        pass
+
+
+def _from_pretrained(auto, folder: Path, dtype, implementation: str):
+    """``from_pretrained`` on the folder; for a model kvsnap converted itself, with the tied embedding
+    read under the name transformers fills first (``_tied_aliases``). The result is the same model."""
+    aliases = _tied_aliases(folder)
+    if aliases:
+        mapping = {f"^{re.escape(kept)}$": dropped for dropped, kept in aliases.items()}
+        model, info = auto.from_pretrained(
+            str(folder), dtype=dtype, attn_implementation=implementation, key_mapping=mapping, output_loading_info=True
+        )
+        clean = not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"))
+        if clean and all(_same_tensor(model, dropped, kept) for dropped, kept in aliases.items()):
+            return model
+        del model  # not a plain tie of every name the file holds: load the file as it is written
+    return auto.from_pretrained(str(folder), dtype=dtype, attn_implementation=implementation)
+
+
+def _tied_aliases(folder: Path) -> dict[str, str]:
+    """Tensors a kvsnap GGUF conversion wrote once for two names: ``{dropped name: kept name}``.
+
+    safetensors' ``save_model`` keeps one name of a shared tensor (for a tied embedding, the output
+    layer's ``lm_head.weight``) and notes the other in the file's metadata. transformers then loads
+    ``lm_head.weight``, fills ``model.embed_tokens.weight`` with random numbers (0.3 s for the
+    default model on a slow CPU; a large vocabulary costs seconds) and ties the two, overwriting
+    them. Read under the embedding's name, the tensor is tied without the random fill. Only folders
+    kvsnap converted (ready marker, one ``model.safetensors``) are read this way.
+    """
+    path = folder / "model.safetensors"
+    if not is_ready(folder) or not path.is_file():
+        return {}
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), "np") as f:
+            names = set(f.keys())
+            metadata = f.metadata() or {}
+    except Exception:
+        return {}  # from_pretrained reports a bad file in its own words
+    return {
+        dropped: kept
+        for dropped, kept in metadata.items()
+        if isinstance(kept, str) and kept in names and dropped not in names
+    }
+
+
+def _same_tensor(model, a: str, b: str) -> bool:
+    try:
+        return model.get_parameter(a) is model.get_parameter(b)
+    except AttributeError:
+        return False
 
 
 # Tokens chat templates close a turn with. A model whose config names only its end-of-text token

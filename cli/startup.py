@@ -1,0 +1,54 @@
+"""What a new ``kvsnap`` process spends before its first token, and after its last.
+
+Importing torch and transformers and loading a model make ~400k Python objects that live as long
+as the process. Python's cyclic garbage collector walks them again and again while they are made
+(~1.5 s of a 2-core VM's ~8.5 s to a loaded model) and once more at exit (1.7 s of a 2.2 s exit).
+So a process the CLI owns (``cli.main.main``, not a test's in-process runner) loads its model with
+the collector off, then freezes what exists (``gc.freeze``: kept out of later collections, never
+walked again), and freezes again at exit. What stays frozen that was garbage is bounded: the cycles
+the imports and a load leave (~11k small objects, ~8 MB, no tensors, for the default model). A GGUF
+conversion runs before this, with the collector on: the dequantized model it drops must be freed.
+
+``KVSNAP_TIMINGS=1`` adds wall-clock stamps of each stage to ``kvsnap run --json`` (``timings``),
+for benchmarks/startup.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import time
+from collections.abc import Iterator
+
+TIMINGS = os.environ.get("KVSNAP_TIMINGS") == "1"
+stamps: dict[str, float] = {}  # stage -> time.time() when it was reached (first time only)
+own_process = False  # set by cli.main.main: this interpreter runs the CLI and nothing else
+
+
+def stamp(stage: str) -> None:
+    if TIMINGS:
+        stamps.setdefault(stage, time.time())
+
+
+@contextlib.contextmanager
+def collector_off() -> Iterator[None]:
+    """Run a model load without the cyclic collector; on success, freeze what it made."""
+    if not own_process or not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    loaded = False
+    try:
+        yield
+        loaded = True
+    finally:
+        if loaded:
+            gc.freeze()
+        gc.enable()
+
+
+def exiting() -> None:
+    """The interpreter is about to exit: spare it a last collection over everything (the OS frees it)."""
+    if own_process:
+        gc.freeze()
