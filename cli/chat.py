@@ -93,7 +93,9 @@ def chat(
     if opts.store_session is not None and opts.store is None:
         raise ConfigError("--store-session needs --store DIR")
     opts.sampling()  # a bad flag is refused before the model loads
-    session = open_session(opts, session_config, reuses=resume is not None)
+    session = open_session(
+        opts, session_config, reuses=resume is not None, prefetch=resume if resume and resume.exists() else None
+    )
     params = opts.sampling(model_defaults=session.lm.sampling_defaults)
     autosave = save or resume
     interactive = sys.stdin.isatty()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
@@ -60,11 +61,23 @@ def open_store(path, budget: str | None):
     return store
 
 
-def open_session(opts: SessionOptions, session_config: SessionConfig | None = None, *, reuses: bool = False):
+def open_session(
+    opts: SessionOptions,
+    session_config: SessionConfig | None = None,
+    *,
+    reuses: bool = False,
+    prefetch: Path | None = None,
+):
     """The Session ``chat`` and ``run`` work with: settings checked, the block store opened, then the model
     loaded. ``reuses``: a stored prefix may be loaded (--resume, --store, a batch), so ``--reuse auto``
-    needs this machine's cost model: measured now, once, with progress, rather than silently mid-request."""
+    needs this machine's cost model: measured now, once, with progress, rather than silently mid-request.
+    ``prefetch``: a snapshot the session will restore, read and decoded in a thread while the model loads
+    (kvsnap.format.prefetch; the restore claims it only if it is still that file)."""
     session_config = session_config or opts.session_config()
+    if prefetch is not None and not str(opts.device).startswith(("cuda", "mps")):
+        from kvsnap.format import prefetch as prefetching
+
+        prefetching.start(prefetch)
     block_store = open_store(opts.store, opts.store_budget)
     startup.stamp("load")
     # Imports torch and transformers too, inside the load's collector-off window (cli.startup).

@@ -85,7 +85,12 @@ def run(
     if batch is not None:
         # Bytes, line by line: each line is decoded on its own, so one bad line is one error row.
         lines = read_lines(sys.stdin.buffer if str(batch) == "-" else _open_batch(batch))
-    session = open_session(opts, session_config, reuses=resume is not None or batch is not None)
+    session = open_session(
+        opts,
+        session_config,
+        reuses=resume is not None or batch is not None,
+        prefetch=resume if batch is None and resume is not None and resume.exists() else None,
+    )
     startup.stamp("session")
 
     if batch is None:

@@ -70,6 +70,29 @@ def test_run_resume_reuses_prefix_and_matches_cold_output(model, tmp_path):
     assert resumed["text"] == cold["text"]
 
 
+def test_run_and_chat_resume_decode_the_snapshot_while_the_model_loads(model, tmp_path, monkeypatch, kvsnap_home):
+    from kvsnap.engine import restore as restoring
+    from kvsnap.format import prefetch
+
+    snap = tmp_path / "doc.kv"
+    assert invoke("run", *base(model), "--prompt", DOC, "--max-new-tokens", "0", "--save", str(snap)).exit_code == 0
+    args = ["run", *base(model), "--prompt", DOC + " Why?", "--max-new-tokens", "4", "--temperature", "0", "--json"]
+    plain = json.loads(invoke(*args, "--resume", str(snap)).stdout)
+    prefetch.discard()
+
+    def refuse(*a, **k):
+        raise AssertionError("the snapshot was read again after the model loaded")
+
+    monkeypatch.setattr(restoring, "_read_blocks", refuse)  # only the prefetched blocks can be used
+    fetched = invoke(*args, "--resume", str(snap))
+    assert fetched.exit_code == 0, fetched.output
+    fetched = json.loads(fetched.stdout)
+    assert (fetched["text"], fetched["hit_tokens"]) == (plain["text"], plain["hit_tokens"]) and plain["hit_tokens"] > 0
+    chat = invoke("chat", *base(model), "--resume", str(snap), "--save", str(tmp_path / "c.kv"), input="Hi\n")
+    assert chat.exit_code == 0, chat.output
+    assert prefetch._jobs == {}  # every prefetch was claimed
+
+
 def test_run_prompt_file_then_prompt(model, tmp_path):
     doc = tmp_path / "doc.txt"
     doc.write_text(DOC)
