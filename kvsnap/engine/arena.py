@@ -89,13 +89,7 @@ def kv_buffer(num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, 
         if rounded * per_token <= MAX_POOLED_BYTES:
             shape = (num_layers, 2, num_kv_heads, rounded, head_dim)
         buf = torch.empty(shape, dtype=dtype, device=device)
-        nbytes = buf.numel() * buf.element_size()
-        if nbytes <= MAX_POOLED_BYTES:
-            _make_room(nbytes)
-            entry = _Entry(buf, 0, 0)
-            entry.uses = _use_count(entry.buf.untyped_storage()._cdata)
-            entry.refs = sys.getrefcount(entry.buf) - 1  # less the local name ``buf``, gone once returned
-            _pool.append(entry)
+        _enlist(buf)
         return buf
 
 
@@ -103,17 +97,23 @@ def adopt(raw: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """``raw`` (uint8 ``[layers, 2, kv_heads, capacity, head_dim * itemsize]``, filled elsewhere: a
     prefetch) as a ``dtype`` KV buffer, pooled like the others once its cache lets it go."""
     buf = torch.from_numpy(raw).view(dtype)
-    if _use_count is None or not ENABLED:
-        return buf
-    nbytes = buf.numel() * buf.element_size()
-    with _lock:
-        if nbytes <= MAX_POOLED_BYTES:
-            _make_room(nbytes)
-            entry = _Entry(buf, 0, 0)
-            entry.uses = _use_count(entry.buf.untyped_storage()._cdata)
-            entry.refs = sys.getrefcount(entry.buf) - 1
-            _pool.append(entry)
+    if _use_count is not None and ENABLED:
+        with _lock:
+            _enlist(buf)
     return buf
+
+
+def _enlist(buf: torch.Tensor) -> None:
+    """Pool a new buffer (lock held), if it fits the budget. Its caller holds it in one local name."""
+    nbytes = buf.numel() * buf.element_size()
+    if nbytes > MAX_POOLED_BYTES:
+        return
+    _make_room(nbytes)
+    entry = _Entry(buf, 0, 0)
+    entry.uses = _use_count(entry.buf.untyped_storage()._cdata)
+    # Less the caller's name and this function's: once both are gone, only the entry holds it.
+    entry.refs = sys.getrefcount(entry.buf) - 2
+    _pool.append(entry)
 
 
 def _make_room(nbytes: int) -> None:

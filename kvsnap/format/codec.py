@@ -81,10 +81,7 @@ def _zstd_decode(data: bytes | memoryview, size: int) -> bytes:
 def _zstd_plane(data: bytes | memoryview, size: int) -> np.ndarray:
     """``_zstd_decode`` into this thread's reusable plane buffer (valid until its next call here):
     a fresh output object per block costs an allocation and page faults every time."""
-    _check_declared(data, size)
-    end = _frame_end(memoryview(data).cast("B"))
-    if end != len(data):
-        raise CodecError(f"zstd: {len(data) - end} bytes after the frame")
+    _check_whole_frame(data, size)
     buf = getattr(_local, "plane", None)
     if buf is None or buf.size < size + 1:
         buf = _local.plane = np.empty(size + 1, dtype=np.uint8)
@@ -96,9 +93,21 @@ def _zstd_plane(data: bytes | memoryview, size: int) -> np.ndarray:
                 got += k
     except zstd.ZstdError as exc:
         raise CodecError(f"zstd: {exc}") from None
+    _check_produced(got, size)
+    return buf[:size]
+
+
+def _check_whole_frame(data: bytes | memoryview, size: int) -> None:
+    """One frame declaring ``size`` bytes, and nothing after it (checked before decoding a byte)."""
+    _check_declared(data, size)
+    end = _frame_end(memoryview(data).cast("B"))
+    if end != len(data):
+        raise CodecError(f"zstd: {len(data) - end} bytes after the frame")
+
+
+def _check_produced(got: int, size: int) -> None:
     if got != size:
         raise CodecError(f"zstd produced {got if got <= size else 'more than ' + str(size)} bytes, expected {size}")
-    return buf[:size]
 
 
 def encode(
@@ -162,10 +171,7 @@ def decode_into(
     if dst.size != raw_size or dst.shape[-1] != itemsize:
         raise ValueError(f"target of {dst.size} bytes (last axis {dst.shape[-1]}) for a {raw_size}-byte block")
     if codec == "shuffle-zstd":
-        n, planes = _planes(stored, raw_size, itemsize)
-        for i, (mode, payload) in enumerate(planes):
-            plane = np.frombuffer(payload, dtype=np.uint8) if mode == _PLANE_RAW else _zstd_plane(payload, n)
-            dst[..., i] = plane.reshape(dst.shape[:-1])
+        _unshuffle(*_planes(stored, raw_size, itemsize), dst)
         return
     if codec == "raw":
         if len(stored) != raw_size:
@@ -274,11 +280,15 @@ def _decode_shuffled(
         flat = np.frombuffer(result, dtype=np.uint8)
     else:
         result = flat = out[:raw_size]
-    # [n, itemsize] view of the output: plane i fills column i.
-    grid = flat.reshape(n, itemsize)
-    for i, (mode, payload) in enumerate(planes):
-        grid[:, i] = np.frombuffer(payload, dtype=np.uint8) if mode == _PLANE_RAW else _zstd_plane(payload, n)
+    _unshuffle(n, planes, flat.reshape(n, itemsize))
     return result
+
+
+def _unshuffle(n: int, planes: list[tuple[int, memoryview]], dst: np.ndarray) -> None:
+    """Byte plane ``i`` (``n`` bytes) into ``dst[..., i]``: ``dst`` holds the ``n`` elements, last axis their bytes."""
+    for i, (mode, payload) in enumerate(planes):
+        plane = np.frombuffer(payload, dtype=np.uint8) if mode == _PLANE_RAW else _zstd_plane(payload, n)
+        dst[..., i] = plane.reshape(dst.shape[:-1])
 
 
 def _planes(stored: bytes | memoryview, raw_size: int, itemsize: int) -> tuple[int, list[tuple[int, memoryview]]]:
@@ -344,10 +354,7 @@ def check(stored: bytes | memoryview, raw_size: int, itemsize: int, codec: str, 
 
 
 def _zstd_check(data: bytes | memoryview, size: int) -> None:
-    _check_declared(data, size)
-    end = _frame_end(memoryview(data).cast("B"))
-    if end != len(data):
-        raise CodecError(f"zstd: {len(data) - end} bytes after the frame")
+    _check_whole_frame(data, size)
     buf = bytearray(max(1, min(size, _CHECK_CHUNK)))
     got = 0
     try:
@@ -356,8 +363,7 @@ def _zstd_check(data: bytes | memoryview, size: int) -> None:
                 got += k
     except zstd.ZstdError as exc:
         raise CodecError(f"zstd: {exc}") from None
-    if got != size:
-        raise CodecError(f"zstd produced {got if got <= size else 'more than ' + str(size)} bytes, expected {size}")
+    _check_produced(got, size)
 
 
 def _frame_end(view: memoryview) -> int:
