@@ -6,6 +6,7 @@ sampling       logits -> token ids, token ids -> streamed text
 runner         forward passes with explicit positions; the decode loop
 restore        a prefix's KV from a ``.kv`` file or the block store, without the model
 verify         is reused KV still right: recompute one restored block and compare
+saving         a session into a .kv file (only new blocks encoded)
 storing        a session's blocks into the block store, with what made them
 chat_template  chat messages -> token ids
 results        what a request and a save report

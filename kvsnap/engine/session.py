@@ -24,7 +24,7 @@ from kvsnap import explain as explaining
 from kvsnap import hashing, limits, prefix
 from kvsnap.config import ON_MISMATCH, SamplingParams, SessionConfig, check_choice
 from kvsnap.engine import restore as restoring
-from kvsnap.engine import storing
+from kvsnap.engine import saving, storing
 from kvsnap.engine import verify as verifying
 from kvsnap.engine.cache import KVCache
 from kvsnap.engine.chat_template import render_chat
@@ -33,8 +33,6 @@ from kvsnap.engine.restore import DECODE_ROOM, RestoreStats
 from kvsnap.engine.results import SaveStats, TurnResult
 from kvsnap.engine.runner import Generation, Runner, generate
 from kvsnap.errors import ConfigError, SnapshotError, StoreError
-from kvsnap.format.meta import SnapshotHeader
-from kvsnap.format.writer import write_snapshot
 from kvsnap.models.load import LoadedModel
 from kvsnap.types import EncodedBlock
 
@@ -406,34 +404,4 @@ class Session:
         are; only new blocks are encoded, in parallel threads. ``flush=False``: sampled tokens not yet
         run through the model stay out of the file (a save that must not run the model: background_save).
         """
-        t0 = time.perf_counter()
-        flushed = self.flush() if flush else 0
-        n = len(self.tokens)
-        final, encoded = self._encode_blocks(self.tokens)
-        logits = self.last_logits.float().cpu().numpy() if self.last_logits is not None else None
-        header = SnapshotHeader(
-            model=self.lm.name,
-            fingerprint=self.lm.fingerprint,
-            root=self.root(),
-            layout=self.lm.layout,
-            block_size=self.block_size,
-            codec=self.codec,
-            level=self.level,
-            fingerprint_parts=self.lm.fingerprint_parts,
-            storage_dtype=self.storage_dtype,
-            # Lets inspect find the tokenizer of a model named by a relative path, a .gguf or a hub id.
-            extra={"model_folder": str(Path(self.lm.folder).resolve()), **verifying.recorded(self)},
-        )
-        size = write_snapshot(path, header, self.tokens, final, last_logits=logits, messages=self.messages)
-        self._encoded.keep_only({b.hash for b in final if b.hash is not None}, keep_tail=True)
-        return SaveStats(
-            path=str(path),
-            tokens=n,
-            blocks=len(final),
-            blocks_encoded=encoded,
-            blocks_reused=len(final) - encoded,
-            flushed_tokens=flushed,
-            kv_bytes=n * self.lm.layout.bytes_per_token,
-            file_bytes=size,
-            seconds=time.perf_counter() - t0,
-        )
+        return saving.save(self, path, flush=flush)
