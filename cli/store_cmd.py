@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from cli import store_explain, ui
+from cli import store_explain, store_ui, ui
 from cli.common import guarded
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ def stats(store_dir: Dir, json_out: Json = False) -> None:
     if json_out:
         ui.print_json(info)
         return
-    ui.print_store_stats(info)
+    store_ui.print_store_stats(info)
 
 
 @app.command("sessions")
@@ -77,7 +77,7 @@ def sessions(store_dir: Dir, json_out: Json = False) -> None:
     if json_out:
         ui.print_json({"sessions": rows})
         return
-    ui.print_store_sessions(rows)
+    store_ui.print_store_sessions(rows)
 
 
 # -- tree ----------------------------------------------------------------------------------------
@@ -106,7 +106,7 @@ def tree(
     if json_out:
         ui.print_json({"path": str(store_dir), "clock": view["clock"], "roots": roots})
         return
-    ui.print_store_tree(store_dir, view["clock"], roots)
+    store_ui.print_store_tree(store_dir, view["clock"], roots)
 
 
 def _annotate(nodes: list[dict[str, Any]], tok: LightTokenizer | None, depth: int | None, level: int) -> list:

@@ -1,4 +1,4 @@
-"""All terminal rendering (rich): status on stderr, model text on stdout."""
+"""Terminal rendering (rich): status on stderr, model text on stdout; the store's tables are in ``cli.store_ui``."""
 
 from __future__ import annotations
 
@@ -14,9 +14,8 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.text import Text
 
-if TYPE_CHECKING:  # imported where used: every command starts without them (~30 ms)
+if TYPE_CHECKING:  # imported where used: every command starts without it (~30 ms)
     from rich.table import Table
-    from rich.tree import Tree
 
 err = Console(stderr=True, highlight=False)
 # Below this many uncached tokens a prefill is too short for a progress bar to be worth drawing.
@@ -221,7 +220,7 @@ def print_inspect(info: dict[str, Any]) -> None:
         rows.append(("integrity", "all blocks verified" if info["verified"] else "; ".join(info["problems"])))
     if info.get("no_preview"):
         rows.append(("preview", info["no_preview"]))
-    console.print(_key_value_table(rows))
+    console.print(key_value_table(rows))
     # Everything below is the snapshot's own text: printed as Text (no markup), controls escaped.
     if "preview_start" in info:
         console.print(Text.assemble(("start", "bold"), " ", repr(info["preview_start"])))
@@ -305,9 +304,6 @@ def verify_line(row: dict[str, Any]) -> str:
 
 # -- the block store (kvsnap store ...) ------------------------------------------------------------
 
-# Longest token-text preview in the store tree, in characters of its repr.
-PREVIEW_CHARS = 60
-
 
 def plural(n: int, word: str) -> str:
     return f"{n:,} {word}{'' if n == 1 else 's'}"
@@ -322,7 +318,7 @@ def say(text: str) -> None:
     out().print(printable(text), markup=False, soft_wrap=True)
 
 
-def _key_value_table(rows: list[tuple[str, str]]) -> Table:
+def key_value_table(rows: list[tuple[str, str]]) -> Table:
     from rich.table import Table
 
     table = Table(show_header=False, box=None, pad_edge=False)
@@ -331,95 +327,3 @@ def _key_value_table(rows: list[tuple[str, str]]) -> Table:
     for key, value in rows:
         table.add_row(key, Text(printable(str(value))))  # values quote files and names: no markup
     return table
-
-
-def print_store_stats(info: dict[str, Any]) -> None:
-    budget = info["budget_bytes"]
-    used = f" ({info['bytes'] / budget:.0%} of the budget)" if budget else ""
-    rows = [
-        ("store", info["path"]),
-        ("blocks", f"{info['blocks']:,} ({info['leaves']:,} leaves) in {plural(info['roots'], 'chain')}"),
-        ("bytes", f"{human_bytes(info['bytes'])}{used}, {human_bytes(info['raw_bytes'])} raw"),
-        ("budget", human_bytes(budget) if budget is not None else "none"),
-        ("sessions", f"{info['sessions']:,} ({info['pinned_sessions']:,} pinned)"),
-        ("pinned", human_bytes(info["pinned_bytes"])),
-        (
-            "lookups",
-            f"{info['lookups']:,}: {info['hits']:,} of {info['lookup_blocks']:,} blocks hit "
-            f"({info['block_hit_rate']:.1%}), {info['hit_tokens']:,} of {info['prompt_tokens']:,} tokens reused",
-        ),
-        ("evictions", f"{info['evictions']:,}"),
-        ("damaged", f"{info['damaged']:,} blocks found damaged and dropped"),
-    ]
-    out().print(_key_value_table(rows))
-
-
-def print_store_sessions(rows: list[dict[str, Any]]) -> None:
-    if not rows:
-        note("no sessions in the store")
-        return
-    from rich.table import Table
-
-    table = Table(box=None, pad_edge=False)
-    for col in ("name", "tokens", "blocks", "pinned", "chat", "model"):
-        table.add_column(col, justify="right" if col in ("tokens", "blocks", "chat") else "left")
-    for r in rows:
-        blocks = f"{r['blocks']}" if r["present_blocks"] == r["blocks"] else f"{r['present_blocks']}/{r['blocks']}"
-        chat = str(r["chat_turns"]) if r["chat_turns"] is not None else "-"
-        name, model = Text(printable(r["name"])), Text(printable(r["model"] or "?"))  # store text: no markup
-        table.add_row(name, f"{r['tokens']:,}", blocks, "yes" if r["pinned"] else "", chat, model)
-    out().print(table)
-
-
-def print_store_tree(path: Any, clock: int, roots: list[dict[str, Any]]) -> None:
-    if not roots:
-        note("the store holds no blocks")
-        return
-    console = out()
-    console.print(printable(f"{path}: last use counts on the store's clock (now {clock:,})"), style="dim", markup=False)
-    for root in roots:
-        console.print(_render_root(root))
-
-
-def _render_root(root: dict[str, Any]) -> Tree:
-    lay = root["layout"]
-    label = Text.assemble(
-        (printable(root["model"]), "bold"),
-        (f"  block size {root['block_size']}, {lay['dtype']}, root {root['root'][:12]}", "dim"),
-    )
-    from rich.tree import Tree
-
-    top = Tree(label)
-    _render_nodes(top, root["children"])
-    return top
-
-
-def _render_nodes(parent: Tree, nodes: list[dict[str, Any]]) -> None:
-    for node in nodes:
-        label = Text()
-        if "text" in node:
-            label.append(_preview(node["text"]), style="green")
-            label.append("  ")
-        label.append(f"{plural(node['tokens'], 'token')}", style="bold")
-        details = [
-            plural(node["blocks"], "block") + (" (last partial)" if node["partial"] else ""),
-            human_bytes(node["bytes"]),
-            f"last use {node['last_use']:,}",
-        ]
-        label.append("  " + ", ".join(details), style="dim")
-        if node["pins"]:
-            label.append(f"  pinned x{node['pins']}", style="yellow")
-        if node["sessions"]:
-            label.append("  <- " + printable(", ".join(node["sessions"])), style="cyan")
-        branch = parent.add(label)
-        _render_nodes(branch, node["children"])
-        if node.get("hidden_nodes"):
-            branch.add(Text(f"... {plural(node['hidden_nodes'], 'more node')} below", style="dim"))
-
-
-def _preview(text: str) -> str:
-    shown = repr(text)
-    if len(shown) <= PREVIEW_CHARS:
-        return shown
-    half = (PREVIEW_CHARS - 3) // 2
-    return shown[:half] + "..." + shown[-half:]
