@@ -11,6 +11,7 @@ user+sys time, which a busy machine inflates less than the wall time.
 
     .venv/bin/python benchmarks/startup.py                       # 512 2048 4096 tokens, 3 repeats
     .venv/bin/python benchmarks/startup.py --trees /tmp/base .   # before (a worktree) and after
+    .venv/bin/python benchmarks/startup.py --backends native transformers   # KVSNAP_NATIVE=1 vs 0
 
 Imports in detail: `python -X importtime -m cli.main run ...` (transformers loads some of its
 modules past the import system, so their time shows under whoever asked for them).
@@ -47,14 +48,14 @@ STAGES = [
     ("before load", "settings checks; an older tree imports torch/transformers here"),
     ("load: resolve", "model name to folder"),
     ("load: torch", "import torch"),
-    ("load: transformers", "import transformers (top level)"),
-    ("load: kvsnap.engine", "kvsnap's cache adapter and attention"),
-    ("load: config", "AutoConfig, with the config module's imports"),
-    ("load: attention", "kvsnap_sdpa registered: imports transformers.modeling_utils"),
-    ("load: model class", "the modeling module of the model type"),
-    ("load: weights", "from_pretrained: build, read, tie"),
+    ("load: transformers", "import transformers (top level) and kvsnap's cache adapter"),
+    ("load: kvsnap.engine", "kvsnap's cache adapter and attention (older trees)"),
+    ("load: config", "config.json read (native) or AutoConfig with its imports"),
+    ("load: attention", "transformers only: kvsnap_sdpa registered, imports modeling_utils"),
+    ("load: model class", "transformers only: the modeling module of the model type"),
+    ("load: weights", "native: safetensors mapped; transformers: from_pretrained"),
     ("load: place", "model.to(device)"),
-    ("load: tokenizer", "AutoTokenizer"),
+    ("load: tokenizer", "the tokenizer class, with its imports"),
     ("load: fingerprint", "config, tokenizer, weights digests"),
     ("load: other", "the rest of the load (spinner, garbage collector freeze)"),
     ("session", "Session built, reuse cost model read"),
@@ -102,13 +103,17 @@ def prepare(args, folder: Path) -> list[tuple[int, Path, Path]]:
     return made
 
 
-def run_once(tree: Path, args, text: Path, snap: Path | None) -> dict[str, Any]:
-    """One `kvsnap run` in a new process from ``tree``: its JSON row, wall time and CPU time."""
+def run_once(tree: Path, args, text: Path, snap: Path | None, backend: str | None = None) -> dict[str, Any]:
+    """One `kvsnap run` in a new process from ``tree``: its JSON row, wall time and CPU time.
+
+    ``backend`` "native" or "transformers" sets KVSNAP_NATIVE (kvsnap.models.native) for the run."""
     cmd = [sys.executable, "-c", _BOOT, "run", "--prompt-file", str(text), "--max-new-tokens", "1", "--json"]
     cmd += ["--model", args.model, "--device", args.device, "--dtype", args.dtype]
     if snap is not None:
         cmd += ["--resume", str(snap), "--reuse", "load"]
     env = {**os.environ, "PYTHONPATH": str(tree), "KVSNAP_TIMINGS": "1"}
+    if backend is not None:
+        env["KVSNAP_NATIVE"] = "1" if backend == "native" else "0"
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     spawn = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree)
@@ -165,21 +170,33 @@ def main() -> None:
     parser.add_argument(
         "--trees", type=Path, nargs="+", default=[ROOT], help="source trees to run `kvsnap` from (default: this one)"
     )
+    parser.add_argument(
+        "--backends",
+        nargs="+",
+        choices=["native", "transformers"],
+        help="run each tree once per model backend (KVSNAP_NATIVE=1 / 0), side by side",
+    )
     model_arguments(parser)
     args = parser.parse_args()
-    trees = [t.resolve() for t in args.trees]
-    labels = [t.name or str(t) for t in trees]
-    if len(set(labels)) != len(labels):
-        labels = [str(t) for t in trees]
+    tree_paths = [t.resolve() for t in args.trees]
+    names = [t.name or str(t) for t in tree_paths]
+    if len(set(names)) != len(names):
+        names = [str(t) for t in tree_paths]
+    # (label, tree, backend): one column pair per tree, or per tree and backend.
+    variants = [(n, t, None) for n, t in zip(names, tree_paths)]
+    if args.backends:
+        both = len(names) > 1
+        variants = [(f"{n} {b}" if both else b, t, b) for n, t in zip(names, tree_paths) for b in args.backends]
+    labels = [v[0] for v in variants]
     columns = [(label, mode) for label in labels for mode in ("resume", "cold")]
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         made = prepare(args, Path(tmp))
         for r in range(args.repeats):
             for n, text, snap in made:
-                for tree, label in zip(trees, labels):
+                for label, tree, backend in variants:
                     for mode in ("resume", "cold"):
-                        run = run_once(tree, args, text, snap if mode == "resume" else None)
+                        run = run_once(tree, args, text, snap if mode == "resume" else None, backend)
                         runs.append({"tokens": n, "tree": label, "mode": mode, "repeat": r, **run})
             print(f"  repeat {r + 1}/{args.repeats} done", file=sys.stderr)
 
@@ -223,7 +240,8 @@ def main() -> None:
         "dtype": args.dtype,
         "suffix": SUFFIX,
         "lengths": args.lengths,
-        "trees": {label: str(tree) for tree, label in zip(trees, labels)},
+        "trees": {label: str(tree) for label, tree, _ in variants},
+        "backends": {label: backend for label, _, backend in variants},
         "stages": dict(STAGES),
         "summary": summary,
         "runs": [

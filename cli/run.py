@@ -125,7 +125,11 @@ def run(
             row.pop("id")
             if startup.TIMINGS:  # benchmarks/startup.py
                 startup.stamp("done")
-                row["timings"] = {"stamps": dict(startup.stamps), "load": dict(session.lm.load_timings)}
+                row["timings"] = {
+                    "stamps": dict(startup.stamps),
+                    "load": dict(session.lm.load_timings),
+                    "backend": session.lm.backend,
+                }
             ui.print_json(row)
         else:
             if row["text"] and not row["text"].endswith("\n"):

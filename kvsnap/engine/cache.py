@@ -80,6 +80,10 @@ class KVCache(DynamicCache):
     """
 
     def __init__(self, config):
+        if getattr(config, "plain", False):  # kvsnap.models.native's config: full attention throughout
+            super().__init__()
+            self.layers = [BufferedLayer() for _ in range(config.num_hidden_layers)]
+            return
         super().__init__(config=config)
         for i, layer in enumerate(self.layers):
             if type(layer) is DynamicLayer:
@@ -152,6 +156,8 @@ class KVCache(DynamicCache):
 def check_supported(config) -> None:
     """Refuse models whose cache is not a plain full-attention ``DynamicCache``."""
     model_type = getattr(config, "model_type", "?")
+    if getattr(config, "plain", False):
+        return  # kvsnap.models.native.plain_config takes full-attention decoders only
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"model type {model_type!r} is an encoder-decoder model; kvsnap needs a decoder")
     try:

@@ -73,6 +73,7 @@ class LoadedModel:
     # Seconds each step of ``load_model`` took, in order (imports, config, model class, weights, ...):
     # what a new process spends before its first token (benchmarks/startup.py).
     load_timings: dict[str, float] = field(default_factory=dict)
+    backend: str = "transformers"  # or "native": kvsnap.models.native runs the forward
 
     @property
     def kv_dtype(self) -> str:
@@ -100,13 +101,32 @@ def max_positions_of(config) -> int | None:
     return n
 
 
-def load_tokenizer(folder: Path):
-    from transformers import AutoTokenizer
+def load_tokenizer(folder: Path, *, plain: bool = False):
+    """The folder's tokenizer, as ``AutoTokenizer`` gives it.
 
+    ``plain`` (a native Llama model): a folder whose tokenizer_config.json names ``TokenizersBackend``
+    and no custom code is loaded by that class directly, which is where ``AutoTokenizer`` ends for
+    the llama model type (not for qwen2 or mistral, which it maps to their own classes), without the
+    config import it makes on the way (~1.5 s on a slow CPU).
+    """
+    if plain and _names_tokenizers_backend(folder):
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend as auto
+    else:
+        from transformers import AutoTokenizer as auto
     try:
-        return AutoTokenizer.from_pretrained(str(folder))
+        return auto.from_pretrained(str(folder))
     except Exception as exc:
         raise ModelError(f"cannot load the tokenizer from {folder}: {exc}") from None
+
+
+def _names_tokenizers_backend(folder: Path) -> bool:
+    import json
+
+    try:
+        raw = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and raw.get("tokenizer_class") == "TokenizersBackend" and "auto_map" not in raw
 
 
 def load_model(
@@ -131,44 +151,50 @@ def load_model(
     import torch  # noqa: F401
 
     mark("torch")
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    mark("transformers")
-    from kvsnap.engine import attention, cache
+    from kvsnap.engine import cache
+    from kvsnap.models import native
 
     quiet_transformers()
-    mark("kvsnap.engine")
+    mark("transformers")
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
-    try:
-        config = AutoConfig.from_pretrained(str(folder))
-    except Exception as exc:
-        raise ModelError(f"cannot read the model config in {folder}: {exc}") from None
-    mark("config")  # with the import of the model type's config module
+    raw_config = config_file(folder)
+    use_native = native.enabled() and dev.type == "cpu"
+    config = native.plain_config(raw_config) if use_native else None
+    if config is None:
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(str(folder))
+        except Exception as exc:
+            raise ModelError(f"cannot read the model config in {folder}: {exc}") from None
+    mark("config")  # with the import of transformers' config classes, unless native read it
     cache.check_supported(config)
     layout = cache.layout_of(config, torch_dtype)
     if check_layout is not None:
         check_layout(layout)
     progress(f"loading {spec}")
-    implementation = attention.implementation_for(dev)
-    mark("attention")  # registering kvsnap_sdpa imports transformers.modeling_utils, which any model needs
-    _import_model_class(config)
-    mark("model_class")
-    try:
-        model = _from_pretrained(AutoModelForCausalLM, folder, torch_dtype, implementation)
-    except Exception as exc:
-        raise ModelError(f"cannot load the model in {folder}: {exc}") from None
-    mark("weights")
+    model = None
+    if use_native and native.unsupported_reason(config, dev) is None:
+        try:
+            model = native.load(folder, config, torch_dtype, _tied_aliases(folder))
+        except Exception:
+            # Not exactly its tensors, or a file it cannot map: transformers loads the folder, or says
+            # in its own words what is wrong with it.
+            model = None
+        mark("weights")
+    if model is None:
+        model = _load_with_transformers(folder, config, dev, torch_dtype, mark)
     try:
         model.to(dev).eval()
     except (RuntimeError, MemoryError) as exc:
         raise ModelError(f"cannot place {spec} on {dev}: {str(exc).splitlines()[0] if str(exc) else exc}") from None
     mark("place")
-    tokenizer = load_tokenizer(folder)
+    tokenizer = load_tokenizer(folder, plain=isinstance(model, native.NativeCausalLM) and config.model_type == "llama")
     mark("tokenizer")
-    parts = fingerprint_parts(folder, config_file(folder), layout.dtype)
+    parts = fingerprint_parts(folder, raw_config, layout.dtype)
     mark("fingerprint")
-    eos = set()
+    eos = set(_generation_eos(folder))
     for source in (getattr(model, "generation_config", None), config, tokenizer):
         value = getattr(source, "eos_token_id", None)
         if isinstance(value, int):
@@ -192,7 +218,39 @@ def load_model(
         max_positions=max_positions_of(config),
         sampling_defaults=sampling_defaults_of(folder),
         load_timings=timings,
+        backend="native" if isinstance(model, native.NativeCausalLM) else "transformers",
     )
+
+
+def _load_with_transformers(folder: Path, config, dev, torch_dtype, mark: Callable[[str], None]):
+    from transformers import AutoModelForCausalLM
+
+    from kvsnap.engine import attention
+
+    implementation = attention.implementation_for(dev)
+    mark("attention")  # registering kvsnap_sdpa imports transformers.modeling_utils, which any model needs
+    _import_model_class(config)
+    mark("model_class")
+    try:
+        model = _from_pretrained(AutoModelForCausalLM, folder, torch_dtype, implementation)
+    except Exception as exc:
+        raise ModelError(f"cannot load the model in {folder}: {exc}") from None
+    mark("weights")
+    return model
+
+
+def _generation_eos(folder: Path) -> list[int]:
+    """The end-of-sequence ids generation_config.json names (transformers' models read it as their
+    ``generation_config``; the native one reads it here)."""
+    import json
+
+    try:
+        raw = json.loads((folder / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return []
+    value = raw.get("eos_token_id") if isinstance(raw, dict) else None
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
 
 
 class _Stopwatch:
