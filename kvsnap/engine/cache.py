@@ -2,19 +2,19 @@
 
 Per-block raw KV bytes in, a ``KVCache`` (a ``DynamicCache`` the model accepts) out, and back. transformers
 5.x moves this API between minor versions (``past_key_values`` became ``cache``, layers moved
-to ``cache.layers[i].keys/values``), so every access goes through here.
+to ``cache.layers[i].keys/values``), so every access goes through here. transformers is imported
+only for a model it runs: the native forward (``kvsnap.models.native``) gets a ``PlainKVCache``.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from collections.abc import Sequence
 
 import numpy as np
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from kvsnap.engine import arena
 from kvsnap.errors import UnsupportedModelError
@@ -30,12 +30,13 @@ def forward_cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-class BufferedLayer(DynamicLayer):
+class _Buffered:
     """A full-attention layer whose ``keys``/``values`` are views of buffers with spare room.
 
     The stock layer concatenates on every update, copying the whole history once per forward
     (at a 4k context, 190 MB per decoded token for the default model). Here an update writes
-    only the new tokens; the buffer grows geometrically when full.
+    only the new tokens; the buffer grows geometrically when full. Mixed into transformers'
+    ``DynamicLayer`` (``_transformers_classes``) or, for the native forward, into ``PlainLayer``.
     """
 
     _kbuf: torch.Tensor | None = None  # [B, H, capacity, D]
@@ -72,22 +73,39 @@ class BufferedLayer(DynamicLayer):
         self.values = values_buf[:, :, :length]
 
 
-class KVCache(DynamicCache):
-    """The cache kvsnap hands the model: a ``DynamicCache`` whose full-attention layers append in
-    place, plus the few operations the engine needs (length, crop, reserve, a block's raw bytes).
+class PlainLayer(_Buffered):
+    """A buffered layer without transformers, for ``kvsnap.models.native``."""
 
-    Only configs that pass ``check_supported`` get here.
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.is_initialized = False
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.keys = key_states.new_empty(0)
+        self.values = value_states.new_empty(0)
+        self.is_initialized = True
+
+    def get_seq_length(self) -> int:
+        return self.keys.shape[-2] if self.is_initialized and self.keys.dim() == 4 else 0
+
+
+class KVCache:
+    """The cache kvsnap hands the model, plus the few operations the engine needs (length, crop,
+    reserve, a block's raw bytes).
+
+    ``KVCache(config)`` makes a ``PlainKVCache`` for a config ``kvsnap.models.native`` read (the
+    native forward needs no transformers class, and so a process running it never imports
+    transformers' cache module), else a ``DynamicCache`` subclass transformers' models accept,
+    whose full-attention layers append in place. Only configs that pass ``check_supported`` get here.
     """
 
-    def __init__(self, config):
-        if getattr(config, "plain", False):  # kvsnap.models.native's config: full attention throughout
-            super().__init__()
-            self.layers = [BufferedLayer() for _ in range(config.num_hidden_layers)]
-            return
-        super().__init__(config=config)
-        for i, layer in enumerate(self.layers):
-            if type(layer) is DynamicLayer:
-                self.layers[i] = BufferedLayer()
+    layers: list
+
+    def __new__(cls, config=None):
+        if cls is KVCache:
+            cls = PlainKVCache if getattr(config, "plain", False) else _transformers_classes()[1]
+        return super().__new__(cls)
 
     @property
     def length(self) -> int:
@@ -107,7 +125,7 @@ class KVCache(DynamicCache):
     def reserve(self, capacity: int, layout: KVLayout, device: torch.device) -> None:
         """Give every layer room for ``capacity`` tokens now, so a long prefill never regrows (and
         briefly doubles) its buffers chunk after chunk."""
-        buffered = [layer for layer in self.layers if isinstance(layer, BufferedLayer)]
+        buffered = [layer for layer in self.layers if isinstance(layer, _Buffered)]
         if all(layer._kbuf is not None and layer._kbuf.shape[-2] >= capacity for layer in buffered):
             return
         # One buffer for all layers, from the process's arena: its pages are mapped already when an
@@ -116,7 +134,7 @@ class KVCache(DynamicCache):
             layout.num_layers, layout.num_kv_heads, layout.head_dim, capacity, TORCH_DTYPES[layout.dtype], device
         )
         for i, layer in enumerate(self.layers):
-            if not isinstance(layer, BufferedLayer):
+            if not isinstance(layer, _Buffered):
                 continue
             length = layer.keys.shape[-2] if layer.is_initialized and layer.keys.dim() == 4 else 0
             kbuf, vbuf = buf[i, 0].unsqueeze(0), buf[i, 1].unsqueeze(0)
@@ -153,11 +171,47 @@ class KVCache(DynamicCache):
         return block.view(torch.uint8).reshape(-1).numpy()
 
 
+class PlainKVCache(KVCache):
+    """The cache of the native forward: one ``PlainLayer`` per layer, the calls it makes."""
+
+    def __init__(self, config):
+        self.layers = [PlainLayer() for _ in range(config.num_hidden_layers)]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].get_seq_length()
+
+
+@functools.cache
+def _transformers_classes() -> tuple[type, type]:
+    """``(BufferedLayer, TransformersKVCache)``: the buffered layer and the cache as transformers'
+    ``DynamicLayer``/``DynamicCache`` subclasses, made on first use (imports transformers)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    class BufferedLayer(_Buffered, DynamicLayer):
+        pass
+
+    class TransformersKVCache(KVCache, DynamicCache):
+        def __init__(self, config):
+            DynamicCache.__init__(self, config=config)
+            for i, layer in enumerate(self.layers):
+                if type(layer) is DynamicLayer:
+                    self.layers[i] = BufferedLayer()
+
+    return BufferedLayer, TransformersKVCache
+
+
 def check_supported(config) -> None:
     """Refuse models whose cache is not a plain full-attention ``DynamicCache``."""
     model_type = getattr(config, "model_type", "?")
     if getattr(config, "plain", False):
         return  # kvsnap.models.native.plain_config takes full-attention decoders only
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"model type {model_type!r} is an encoder-decoder model; kvsnap needs a decoder")
     try:
