@@ -112,6 +112,11 @@ def main() -> None:
     model_arguments(parser)
     args = parser.parse_args()
     lm = load_model(args.model, device="cpu", dtype=args.dtype)
+    # The same model through transformers' modeling classes (KVSNAP_NATIVE=0), for the suffix-only
+    # floor side by side: what the native forward (kvsnap/models/native.py) bought in process.
+    os.environ["KVSNAP_NATIVE"] = "0"
+    lm_tf = load_model(args.model, device="cpu", dtype=args.dtype) if lm.backend == "native" else None
+    os.environ.pop("KVSNAP_NATIVE")
     cpp = LlamaCpp(args.llama_site, n_ctx=max(args.lengths) + 64)
     Session(lm).run(document(lm.tokenizer, 64), ONE)  # warm up both
     cpp.cold(document(lm.tokenizer, 64))
@@ -121,12 +126,19 @@ def main() -> None:
             ids = document(lm.tokenizer, n)
             prefix = ids[: n - SUFFIX]
             kv, state = Path(tmp) / f"doc{n}.kv", Path(tmp) / f"doc{n}.state"
+            raw = Path(tmp) / f"doc{n}-raw.kv"
             primer = Session(lm)
             primer.prefill(prefix)
             primer.save(kv)
             del primer
+            raw_primer = Session(lm, codec="raw")  # the same KV, written without compression
+            raw_primer.restore(kv, prefix)
+            raw_primer.save(raw)
+            del raw_primer
             cpp.save(prefix, state)
-            res = {"cpp": [], "kvsnap": [], "kvsnap_restore": [], "kvsnap_suffix": []}
+            res = {"cpp": [], "kvsnap": [], "kvsnap_restore": [], "kvsnap_suffix": [], "kvsnap_raw": []}
+            if lm_tf is not None:
+                res["kvsnap_tf_suffix"] = []
             for _ in range(args.repeats + 1):  # the first round warms page cache and pools: not kept
                 res["cpp"].append(cpp.resume(state, ids, len(prefix)))
                 result = Session(lm).run(ids, ONE, resume=kv)
@@ -138,16 +150,25 @@ def main() -> None:
                 warm.restore(kv, ids)
                 res["kvsnap_suffix"].append(warm.run(ids, ONE).ttft_s)
                 del warm
+                # The same resume from a file written with --codec raw (no decompression).
+                res["kvsnap_raw"].append(Session(lm).run(ids, ONE, resume=raw).ttft_s)
+                if lm_tf is not None:
+                    warm = Session(lm_tf)
+                    warm.restore(kv, ids)
+                    res["kvsnap_tf_suffix"].append(warm.run(ids, ONE).ttft_s)
+                    del warm
             cold = {"cpp": [], "kvsnap": []}
             for _ in range(args.cold_repeats):
                 cold["cpp"].append(cpp.cold(ids))
                 cold["kvsnap"].append(Session(lm).run(ids, ONE).ttft_s)
             row = {"tokens": n, "cpp_state_mb": state.stat().st_size / 1e6, "kv_mb": kv.stat().st_size / 1e6}
+            row["raw_kv_mb"] = raw.stat().st_size / 1e6
             for name, values in res.items():
                 row[f"{name}_resume_s"], row[f"{name}_resume_spread_s"] = stats(values[1:])
             for name, values in cold.items():
                 row[f"{name}_cold_s"] = statistics.median(values)
             row["kvsnap_vs_cpp"] = row["kvsnap_resume_s"] / row["cpp_resume_s"]
+            row["kvsnap_raw_vs_cpp"] = row["kvsnap_raw_resume_s"] / row["cpp_resume_s"]
             rows.append(row)
             print(
                 f"  {n}: llama.cpp {row['cpp_resume_s']:.3f} s, kvsnap {row['kvsnap_resume_s']:.3f} s", file=sys.stderr
@@ -160,20 +181,25 @@ def main() -> None:
         ("kvsnap_resume_spread_s", "spread", ".3f"),
         ("kvsnap_restore_resume_s", "kvsnap restore s", ".3f"),
         ("kvsnap_suffix_resume_s", "kvsnap suffix only s", ".3f"),
+        ("kvsnap_tf_suffix_resume_s", "suffix only, transformers s", ".3f"),
         ("kvsnap_vs_cpp", "kvsnap/llama.cpp", ".2f"),
+        ("kvsnap_raw_resume_s", "kvsnap raw-codec resume s", ".3f"),
+        ("kvsnap_raw_vs_cpp", "raw/llama.cpp", ".2f"),
         ("cpp_cold_s", "llama.cpp cold s", ".2f"),
         ("kvsnap_cold_s", "kvsnap cold s", ".2f"),
         ("cpp_state_mb", "state file MB", ".0f"),
         ("kv_mb", ".kv MB", ".0f"),
+        ("raw_kv_mb", "raw .kv MB", ".0f"),
     ]
     info = machine()
     print(describe(info))
     print(
-        f"llama.cpp: {gguf_path().name}, f16 KV, {os.cpu_count()} threads; kvsnap: {args.model} {lm.layout.dtype}; "
+        f"llama.cpp: {gguf_path().name}, f16 KV, {os.cpu_count()} threads; kvsnap: {args.model} {lm.layout.dtype} "
+        f"({lm.backend} forward); "
         f"{SUFFIX}-token suffix; resume: median of {args.repeats} after a warm-up round, cold: {args.cold_repeats}"
     )
     print(table(rows, cols))
-    path = write_json("llamacpp", {"machine": info, "model": args.model, "rows": rows})
+    path = write_json("llamacpp", {"machine": info, "model": args.model, "backend": lm.backend, "rows": rows})
     print(f"wrote {path}")
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvsnap.errors import ModelError
 from kvsnap.models.resolve import kvsnap_home
-from kvsnap.paths import open_regular
+from kvsnap.paths import open_regular, read_bounded
 
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -95,10 +95,11 @@ def tokenizer_digest(folder: Path) -> str:
 def config_file(folder: Path) -> dict[str, Any]:
     """The model's config.json as written: ``config.to_dict()`` adds class defaults that move with
     the transformers version and would make every snapshot look foreign after an upgrade."""
-    try:
-        data = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"cannot read {folder / 'config.json'}: {exc}") from None
+    path = folder / "config.json"
+    try:  # a regular file, read bounded: a FIFO or a device would hang or fill memory
+        data = json.loads(read_bounded(path, 16 << 20, error=ModelError, what="model config"))
+    except (ValueError, RecursionError) as exc:
+        raise ModelError(f"cannot read {path}: {exc}") from None
     if not isinstance(data, dict):
         raise ModelError(f"{folder / 'config.json'} is not a JSON object")
     return data

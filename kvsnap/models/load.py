@@ -13,6 +13,7 @@ from kvsnap.config import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MODEL
 from kvsnap.errors import ConfigError, ModelError
 from kvsnap.models.fingerprint import config_file, fingerprint_of, fingerprint_parts
 from kvsnap.models.resolve import Progress, is_ready, noop, quiet_transformers, resolve_model
+from kvsnap.paths import read_bounded
 from kvsnap.types import KVLayout
 
 
@@ -119,14 +120,21 @@ def load_tokenizer(folder: Path, *, plain: bool = False):
         raise ModelError(f"cannot load the tokenizer from {folder}: {exc}") from None
 
 
-def _names_tokenizers_backend(folder: Path) -> bool:
+def json_object(path: Path, limit: int = 16 << 20) -> dict[str, Any] | None:
+    """A small JSON object file of a model folder, or None when it is missing, not a regular file,
+    too large or not a JSON object (whoever reads it next says what is wrong)."""
     import json
 
     try:
-        raw = json.loads((folder / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(raw, dict) and raw.get("tokenizer_class") == "TokenizersBackend" and "auto_map" not in raw
+        raw = json.loads(read_bounded(path, limit, error=ModelError, what="model file"))
+    except (ModelError, ValueError, RecursionError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def _names_tokenizers_backend(folder: Path) -> bool:
+    raw = json_object(folder / "tokenizer_config.json")
+    return raw is not None and raw.get("tokenizer_class") == "TokenizersBackend" and "auto_map" not in raw
 
 
 def load_model(
@@ -242,13 +250,8 @@ def _load_with_transformers(folder: Path, config, dev, torch_dtype, mark: Callab
 def _generation_eos(folder: Path) -> list[int]:
     """The end-of-sequence ids generation_config.json names (transformers' models read it as their
     ``generation_config``; the native one reads it here)."""
-    import json
-
-    try:
-        raw = json.loads((folder / "generation_config.json").read_text())
-    except (OSError, ValueError):
-        return []
-    value = raw.get("eos_token_id") if isinstance(raw, dict) else None
+    raw = json_object(folder / "generation_config.json")
+    value = raw.get("eos_token_id") if raw is not None else None
     values = value if isinstance(value, list) else [value]
     return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
 
@@ -354,13 +357,8 @@ def sampling_defaults_of(folder: Path) -> dict[str, float | int]:
     Read from the file, not from transformers' GenerationConfig, whose class defaults (temperature
     1.0, top_k 50) would pass for recommendations. ``do_sample: false`` means greedy.
     """
-    import json
-
-    try:
-        raw = json.loads((folder / "generation_config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(raw, dict):
+    raw = json_object(folder / "generation_config.json")
+    if raw is None:
         return {}
     if raw.get("do_sample") is False:
         return {"temperature": 0.0}

@@ -16,7 +16,6 @@ any model on a GPU. ``KVSNAP_NATIVE=0`` turns it off. The module names match tra
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -401,12 +400,13 @@ def _weight_files(folder: Path) -> list[Path]:
     if single.is_file():
         return [single]
     index = folder / "model.safetensors.index.json"
-    if not index.is_file():
-        raise NotNative("no safetensors weights")
-    try:
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        raise NotNative("unreadable safetensors index") from None
+    from kvsnap.models.load import json_object
+
+    raw = json_object(index)
+    weight_map = raw.get("weight_map") if raw is not None else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise NotNative("unreadable safetensors index")
+    names = sorted(set(weight_map.values()))
     files = [folder / n for n in names]
     if not names or any(Path(n).name != n or not f.is_file() for n, f in zip(names, files)):
         raise NotNative("a shard outside the folder or missing")
