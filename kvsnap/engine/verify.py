@@ -82,16 +82,31 @@ def device_kind(device: torch.device) -> str:
     return device.type
 
 
+def _transformers_version() -> str:
+    """The installed transformers' version, without importing it (a process running the native
+    forward and the plain tokenizer never does)."""
+    import sys
+
+    if "transformers" in sys.modules:
+        return sys.modules["transformers"].__version__
+    from importlib import metadata
+
+    try:
+        return metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        import transformers
+
+        return transformers.__version__
+
+
 def running_made_by(lm: LoadedModel) -> dict[str, str]:
     """What computes KV in this process (recorded in snapshots and store blocks)."""
-    import transformers
-
     import kvsnap
 
     return {
         "kvsnap": kvsnap.__version__,
         "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        "transformers": _transformers_version(),
         "device": device_kind(lm.device),
     }
 

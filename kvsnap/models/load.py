@@ -106,10 +106,18 @@ def load_tokenizer(folder: Path, *, plain: bool = False):
     """The folder's tokenizer, as ``AutoTokenizer`` gives it.
 
     ``plain`` (a native Llama model): a folder whose tokenizer_config.json names ``TokenizersBackend``
-    and no custom code is loaded by that class directly, which is where ``AutoTokenizer`` ends for
-    the llama model type (not for qwen2 or mistral, which it maps to their own classes), without the
-    config import it makes on the way (~1.5 s on a slow CPU).
+    and no custom code gets that class, which is where ``AutoTokenizer`` ends for the llama model
+    type (not for qwen2 or mistral, which it maps to their own classes), without the config import
+    it makes on the way (~1.5 s on a slow CPU); and where ``plain_tokenizer`` takes the folder, its
+    ``tokenizer.json`` on the ``tokenizers`` library, without importing transformers at all.
     """
+    if plain:
+        from kvsnap.models.plain_tokenizer import plain_tokenizer
+
+        found = plain_tokenizer(folder)
+        if found is not None:
+            return found
+    quiet_transformers()
     if plain and _names_tokenizers_backend(folder):
         from transformers.tokenization_utils_tokenizers import TokenizersBackend as auto
     else:
@@ -162,14 +170,15 @@ def load_model(
     from kvsnap.engine import cache
     from kvsnap.models import native
 
-    quiet_transformers()
-    mark("transformers")
+    mark("kvsnap.engine")
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     raw_config = config_file(folder)
     use_native = native.enabled() and dev.type == "cpu"
     config = native.plain_config(raw_config) if use_native else None
     if config is None:
+        quiet_transformers()
+        mark("transformers")  # the package's top level, which any use of it imports first
         from transformers import AutoConfig
 
         try:
@@ -231,6 +240,7 @@ def load_model(
 
 
 def _load_with_transformers(folder: Path, config, dev, torch_dtype, mark: Callable[[str], None]):
+    quiet_transformers()
     from transformers import AutoModelForCausalLM
 
     from kvsnap.engine import attention

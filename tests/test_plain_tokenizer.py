@@ -1,0 +1,145 @@
+"""kvsnap.models.plain_tokenizer: tokenizer.json on the tokenizers library, for a process without transformers.
+
+It must give what transformers' own tokenizer of the folder gives (ids, offsets, decoded text,
+special tokens, rendered chat templates), take only folders where that holds by construction,
+and keep transformers out of a native process that runs a raw prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import real_model_home
+from tiny_models import SPECIAL_TOKENS
+
+from kvsnap import models
+from kvsnap.models.plain_tokenizer import PlainTokenizer, plain_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _texts(specials: list[str], n: int = 150) -> list[str]:
+    rng = random.Random(0)
+    alphabet = "abc XYZ<>|_\n\té中🎉0123456789.,!?"
+    texts = ["", " ", "Hello world", "  leading\n\ttabs", "émoji 🎉 中文 текст", "\n\n\n", "The quick brown fox. " * 20]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60))) for _ in range(n)]
+    texts += ["".join(rng.choice([*specials, "word ", " ", "\n", "é"]) for _ in range(16)) for _ in range(n)]
+    return texts
+
+
+def assert_same_tokenizer(plain: PlainTokenizer, full) -> None:
+    specials = list(full.all_special_tokens)
+    for text in _texts(specials):
+        for add in (True, False):
+            ids = full(text, add_special_tokens=add)["input_ids"]
+            assert plain(text, add_special_tokens=add)["input_ids"] == list(ids), text
+            a = plain(text, add_special_tokens=add, return_offsets_mapping=True)["offset_mapping"]
+            b = full(text, add_special_tokens=add, return_offsets_mapping=True)["offset_mapping"]
+            assert [tuple(x) for x in a] == [tuple(x) for x in b], text
+            split = plain(text, add_special_tokens=add, split_special_tokens=True)["input_ids"]
+            assert split == list(full(text, add_special_tokens=add, split_special_tokens=True)["input_ids"]), text
+        assert plain.encode(text) == full.encode(text)
+    rng = random.Random(1)
+    for _ in range(300):
+        ids = [rng.randrange(len(full)) for _ in range(rng.randint(0, 30))]
+        for skip in (True, False):
+            assert plain.decode(ids, skip_special_tokens=skip) == full.decode(ids, skip_special_tokens=skip), ids
+    for token in [*specials, "hello", "not-a-token-at-all"]:
+        assert plain.convert_tokens_to_ids(token) == full.convert_tokens_to_ids(token)
+    assert len(plain) == len(full)
+    assert plain.all_special_tokens == list(full.all_special_tokens)
+    assert plain.special_tokens_map == full.special_tokens_map
+    assert plain.chat_template == full.chat_template
+    for name in ("bos_token_id", "eos_token_id", "unk_token_id", "pad_token_id"):
+        assert getattr(plain, name) == getattr(full, name), name
+    assert {i: (t.content, t.special) for i, t in plain.added_tokens_decoder.items()} == {
+        i: (t.content, t.special) for i, t in full.added_tokens_decoder.items()
+    }
+
+
+def test_the_plain_tokenizer_is_transformers_tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    folder = tiny_model_dir("llama")
+    plain = plain_tokenizer(folder)
+    assert isinstance(plain, PlainTokenizer)
+    assert_same_tokenizer(plain, AutoTokenizer.from_pretrained(str(folder)))
+
+
+def test_chat_templates_render_through_transformers_own_tokenizer(tiny_lm):
+    from kvsnap.engine.chat_template import render_chat
+
+    lm = tiny_lm("llama")
+    assert isinstance(lm.tokenizer, PlainTokenizer)
+    messages = [{"role": "user", "content": "hello <|im_end|> world"}, {"role": "assistant", "content": "hi"}]
+    ids = render_chat(lm, messages)
+    full = lm.tokenizer.full  # loaded on first use: transformers' TokenizersBackend of the same folder
+    assert type(full).__name__ == "TokenizersBackend"
+    text = full.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert lm.tokenizer.decode(ids) == text  # the typed <|im_end|> stayed text, yet decodes the same
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"clean_up_tokenization_spaces": True},
+        {"add_bos_token": True},
+        {"sep_token": "<|im_start|>"},
+        {"tokenizer_class": "LlamaTokenizerFast"},
+        {"auto_map": {"AutoTokenizer": ["x.Tok", None]}},
+        {"extra_special_tokens": ["<|im_start|>"]},
+        {"bos_token": "<|not-an-added-token|>"},
+    ],
+)
+def test_folders_transformers_would_change_are_left_to_it(tiny_model_dir, tmp_path, change):
+    folder = shutil.copytree(tiny_model_dir("llama"), tmp_path / "tok")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, **change}))
+    assert plain_tokenizer(folder) is None
+
+
+def test_a_tokenizer_with_truncation_or_extra_files_is_left_to_transformers(tiny_model_dir, tmp_path):
+    src = tiny_model_dir("llama")
+    folder = shutil.copytree(src, tmp_path / "trunc")
+    data = json.loads((folder / "tokenizer.json").read_text())
+    data["truncation"] = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    assert plain_tokenizer(folder) is None
+    folder = shutil.copytree(src, tmp_path / "extra")
+    (folder / "special_tokens_map.json").write_text(json.dumps({"bos_token": SPECIAL_TOKENS[0]}))
+    assert plain_tokenizer(folder) is None
+    assert plain_tokenizer(shutil.copytree(src, tmp_path / "plain")) is not None
+
+
+def test_a_native_run_of_a_raw_prompt_never_imports_transformers(tiny_model_dir):
+    code = (
+        "import sys\n"
+        "from kvsnap.config import SamplingParams\n"
+        "from kvsnap.engine.session import Session\n"
+        "from kvsnap.models import load_model\n"
+        f"lm = load_model({str(tiny_model_dir('llama'))!r}, device='cpu')\n"
+        "s = Session(lm)\n"
+        "r = s.run(lm.tokenizer('The capital of France is')['input_ids'], SamplingParams(max_new_tokens=3))\n"
+        "print(type(lm.tokenizer).__name__, 'transformers' in sys.modules, r.new_tokens)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[-2] == "PlainTokenizer False 3"
+
+
+@pytest.mark.slow
+def test_the_default_models_plain_tokenizer_is_transformers_tokenizer():
+    from transformers import AutoTokenizer
+
+    folder = real_model_home() / "models" / models.DEFAULT_MODEL
+    if not models.is_ready(folder):
+        pytest.skip("the default model is not converted on this machine (the real-model tests convert it)")
+    plain = plain_tokenizer(folder)
+    assert isinstance(plain, PlainTokenizer)
+    assert_same_tokenizer(plain, AutoTokenizer.from_pretrained(str(folder)))
