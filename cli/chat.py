@@ -121,6 +121,9 @@ def chat(
     target = AutosaveTarget(autosave, seen=seen) if autosave is not None else None
     keeping = Keeping(target, opts.store_session, force, BackgroundSaver(session))
     _say_where(keeping, opts.store)
+    preload = getattr(session.lm.tokenizer, "preload", None)  # kvsnap.models.plain_tokenizer: the chat template's
+    if preload is not None:
+        preload()
     if interactive:
         import readline  # noqa: F401  (line editing and history for input())
 

@@ -143,3 +143,15 @@ def test_the_default_models_plain_tokenizer_is_transformers_tokenizer():
     plain = plain_tokenizer(folder)
     assert isinstance(plain, PlainTokenizer)
     assert_same_tokenizer(plain, AutoTokenizer.from_pretrained(str(folder)))
+
+
+def test_preload_loads_transformers_tokenizer_in_the_background(tiny_model_dir):
+    import threading
+
+    plain = plain_tokenizer(tiny_model_dir("llama"))
+    assert plain._full is None
+    plain.preload()  # what `kvsnap chat` and `kvsnap serve` do once the model is loaded
+    for thread in threading.enumerate():
+        if thread.name == "kvsnap-tokenizer":
+            thread.join(timeout=120)
+    assert plain._full is not None and plain.full is plain._full  # loaded once, by the thread

@@ -94,6 +94,12 @@ class PlainTokenizer:
                 self._full = TokenizersBackend.from_pretrained(self.name_or_path)
             return self._full
 
+    def preload(self) -> None:
+        """Load ``full`` in a background thread now (a chat will render its template soon: the
+        import then overlaps the user's typing instead of delaying the first answer)."""
+        if self._full is None:
+            threading.Thread(target=lambda: self.full, name="kvsnap-tokenizer", daemon=True).start()
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
