@@ -155,3 +155,31 @@ def test_preload_loads_transformers_tokenizer_in_the_background(tiny_model_dir):
         if thread.name == "kvsnap-tokenizer":
             thread.join(timeout=120)
     assert plain._full is not None and plain.full is plain._full  # loaded once, by the thread
+
+
+def test_keeping_special_text_as_text_never_leaks_into_a_concurrent_encode(tiny_model_dir):
+    """split_special_tokens runs on its own copy of the tokenizer: a plain encode in another thread at
+    the same moment still turns <|im_end|> into its control id."""
+    import threading
+
+    plain = plain_tokenizer(tiny_model_dir("llama"))
+    text = "a <|im_end|> b " * 50
+    control = plain(text, add_special_tokens=False)["input_ids"]
+    split = plain(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert control != split
+    wrong = []
+
+    def encode_plain():
+        for _ in range(200):
+            if plain(text, add_special_tokens=False)["input_ids"] != control:
+                wrong.append(1)
+
+    thread = threading.Thread(target=encode_plain)
+    thread.start()
+    for _ in range(200):
+        assert plain(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] == split
+    thread.join()
+    assert not wrong
+    import torch
+
+    assert plain.decode(torch.tensor(control)) == plain.decode(control)

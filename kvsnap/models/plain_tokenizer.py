@@ -79,7 +79,9 @@ class PlainTokenizer:
         self._named = named
         self.chat_template = chat_template
         self._full = None
-        self._lock = threading.Lock()
+        self._split = None
+        self._lock = threading.Lock()  # loading ``full``
+        self._split_lock = threading.Lock()
 
     @property
     def full(self):
@@ -130,14 +132,19 @@ class PlainTokenizer:
         return out
 
     def _encode(self, text: str, add_special_tokens: bool, split_special_tokens: bool):
-        if not split_special_tokens:
-            return self._tok.encode(text, add_special_tokens=add_special_tokens)
-        with self._lock:  # special-token text kept as text: a setting of the shared tokenizer
-            self._tok.encode_special_tokens = True
-            try:
-                return self._tok.encode(text, add_special_tokens=add_special_tokens)
-            finally:
-                self._tok.encode_special_tokens = False
+        tok = self._splitting() if split_special_tokens else self._tok
+        return tok.encode(text, add_special_tokens=add_special_tokens)
+
+    def _splitting(self):
+        """A second copy of the tokenizer that keeps special-token text as text: the setting lives on
+        the tokenizer object, and flipping it on the shared one would race a concurrent encode."""
+        with self._split_lock:
+            if self._split is None:
+                from tokenizers import Tokenizer
+
+                self._split = Tokenizer.from_str(self._tok.to_str())
+                self._split.encode_special_tokens = True
+            return self._split
 
     def encode(self, text: str, add_special_tokens: bool = True, **kwargs: Any) -> list[int]:
         if kwargs:
@@ -147,7 +154,9 @@ class PlainTokenizer:
     def decode(self, token_ids, skip_special_tokens: bool = False, **kwargs: Any) -> str:
         if kwargs:
             return self.full.decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs)
-        ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+        if hasattr(token_ids, "tolist"):  # a tensor or an array, as transformers takes them
+            token_ids = token_ids.tolist()
+        ids = [token_ids] if isinstance(token_ids, int) else [int(i) for i in token_ids]
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def convert_tokens_to_ids(self, tokens):
