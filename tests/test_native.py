@@ -155,21 +155,21 @@ def test_kvsnap_native_0_turns_it_off(tiny_model_dir, monkeypatch):
     assert load_model(str(tiny_model_dir("llama")), device="cpu").backend == "transformers"
 
 
-def test_a_native_load_keeps_transformers_modeling_and_dynamo_out_of_the_process(tiny_model_dir):
-    """What the native path is for: a new process imports neither transformers' modeling stack and
-    torch._dynamo, nor the config classes' torch.distributed.tensor and sympy (seconds of imports on
-    a slow CPU), to load a Llama-family model and run it."""
+def test_a_native_run_of_a_raw_prompt_never_imports_transformers(tiny_model_dir):
+    """What the native forward and the plain tokenizer are for: a new process loads a Llama model and
+    answers a raw prompt without importing transformers at all, nor what transformers would pull in
+    (its modeling stack's torch._dynamo, its config classes' torch.distributed.tensor and sympy):
+    seconds of imports on a slow CPU."""
     code = (
-        "import sys, torch\n"
+        "import sys\n"
+        "from kvsnap.config import SamplingParams\n"
+        "from kvsnap.engine.session import Session\n"
         "from kvsnap.models import load_model\n"
-        "from kvsnap.engine.cache import KVCache\n"
-        "from kvsnap.engine.runner import Runner\n"
         f"lm = load_model({str(tiny_model_dir('llama'))!r}, device='cpu')\n"
-        "Runner(lm).forward(KVCache(lm.config), [3, 4, 5], 0)\n"
-        "heavy = ('transformers.modeling_utils', 'transformers.masking_utils', 'torch._dynamo',\n"
-        "         'torch.distributed.tensor', 'sympy')\n"
-        "print(lm.backend, [m for m in heavy if m in sys.modules])\n"
+        "r = Session(lm).run(lm.tokenizer('The capital of France is')['input_ids'], SamplingParams(max_new_tokens=3))\n"
+        "heavy = ('transformers', 'torch._dynamo', 'torch.distributed.tensor', 'sympy')\n"
+        "print(lm.backend, type(lm.tokenizer).__name__, [m for m in heavy if m in sys.modules], r.new_tokens)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[-2] == "native []"
+    assert out.stdout.split("\n")[-2] == "native PlainTokenizer [] 3"
