@@ -128,6 +128,10 @@ def test_weights_that_are_not_exactly_its_tensors_load_through_transformers(tiny
         native.load(folder, native.plain_config(json.loads((folder / "config.json").read_text())), torch.float32, {})
     lm = load_model(str(folder), device="cpu")
     assert lm.backend == "transformers"  # which loads it and ignores the stray tensor, as it always did
+    assert not getattr(lm.config, "plain", False)  # with its own config, so the cache is one it takes
+    plain = load_model(str(tiny_model_dir("llama")), device="cpu")
+    ids = list(range(3, 25))
+    torch.testing.assert_close(_run(lm, ids)[0][-1], _run(plain, ids)[0][-1], rtol=0, atol=1e-5)
 
 
 def test_sharded_weights_load_natively(tiny_model_dir, tmp_path):

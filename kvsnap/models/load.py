@@ -177,14 +177,7 @@ def load_model(
     use_native = native.enabled() and dev.type == "cpu"
     config = native.plain_config(raw_config) if use_native else None
     if config is None:
-        quiet_transformers()
-        mark("transformers")  # the package's top level, which any use of it imports first
-        from transformers import AutoConfig
-
-        try:
-            config = AutoConfig.from_pretrained(str(folder))
-        except Exception as exc:
-            raise ModelError(f"cannot read the model config in {folder}: {exc}") from None
+        config = _transformers_config(folder, mark)
     mark("config")  # with the import of transformers' config classes, unless native read it
     cache.check_supported(config)
     layout = cache.layout_of(config, torch_dtype)
@@ -201,6 +194,8 @@ def load_model(
             model = None
         mark("weights")
     if model is None:
+        if getattr(config, "plain", False):  # a transformers model takes transformers' config and cache
+            config = _transformers_config(folder, mark)
         model = _load_with_transformers(folder, config, dev, torch_dtype, mark)
     try:
         model.to(dev).eval()
@@ -237,6 +232,17 @@ def load_model(
         load_timings=timings,
         backend="native" if isinstance(model, native.NativeCausalLM) else "transformers",
     )
+
+
+def _transformers_config(folder: Path, mark: Callable[[str], None]):
+    quiet_transformers()
+    mark("transformers")  # the package's top level, which any use of it imports first
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(folder))
+    except Exception as exc:
+        raise ModelError(f"cannot read the model config in {folder}: {exc}") from None
 
 
 def _load_with_transformers(folder: Path, config, dev, torch_dtype, mark: Callable[[str], None]):
