@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import describe, document, machine, model_arguments, table, write_json  # noqa: E402
 from kvsnap.engine import arena  # noqa: E402
-from kvsnap.engine.cache import Restorer  # noqa: E402
+from kvsnap.engine.restorer import Restorer  # noqa: E402
 from kvsnap.engine.session import Session  # noqa: E402
 from kvsnap.models import load_model  # noqa: E402
 

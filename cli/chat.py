@@ -19,8 +19,8 @@ from typing import Annotated
 
 import typer
 
+from cli import chat_commands, ui
 from cli import options as o
-from cli import ui
 from cli.chat_input import Command, InterruptGate, Message, read_entry
 from cli.common import guarded, open_session
 from kvsnap.config import CHAT_SAMPLING
@@ -121,9 +121,9 @@ def chat(
     target = AutosaveTarget(autosave, seen=seen) if autosave is not None else None
     keeping = Keeping(target, opts.store_session, force, BackgroundSaver(session))
     _say_where(keeping, opts.store)
-    preload = getattr(session.lm.tokenizer, "preload", None)  # kvsnap.models.plain_tokenizer: the chat template's
-    if preload is not None:
-        preload()
+    from kvsnap.models.load import preload_chat_template
+
+    preload_chat_template(session.lm)
     if interactive:
         import readline  # noqa: F401  (line editing and history for input())
 
@@ -361,50 +361,12 @@ def _command(cmd: Command, session, keeping: Keeping, interactive: bool) -> bool
         else:
             _save(session, target)
     elif name == "/stats":
-        _stats(session, keeping)
+        chat_commands.stats(session, keeping)
     elif name == "/reset":
-        _reset(session, keeping)
+        chat_commands.reset(session, keeping)
     else:
         ui.error(f"unknown command {name} (/help lists them; //text or /say TEXT sends a message starting with /)")
     return True
-
-
-def _reset(session, keeping: Keeping) -> None:
-    """A new conversation: where the old one was kept, it stays; the new one is kept beside it."""
-    from kvsnap.autosave import AutosaveTarget, beside
-
-    session.reset()
-    said = ["conversation reset"]
-    target = keeping.target
-    if target is not None and target.path.exists():
-        keeping.target = AutosaveTarget(beside(target.path))
-        keeping.force = False
-        said.append(f"{target.path} keeps the previous conversation; this one autosaves to {keeping.target.path}")
-    if keeping.store_name is not None and session.store is not None:
-        names = {s.name for s in session.store.sessions()}
-        if keeping.store_name in names:
-            n = 2
-            while f"{keeping.store_name}-{n}" in names:
-                n += 1
-            new = f"{keeping.store_name}-{n}"
-            said.append(f"store session {keeping.store_name!r} keeps the previous conversation; this one is {new!r}")
-            keeping.store_name = new
-    ui.note("; ".join(said))
-
-
-def _stats(session, keeping: Keeping) -> None:
-    layout = session.lm.layout
-    turns = sum(1 for m in (session.messages or []) if m["role"] == "user")
-    ui.note(
-        f"{session.num_tokens:,} tokens in the session ({ui.plural(turns, 'turn')}), raw KV "
-        f"{ui.human_bytes(session.num_tokens * layout.bytes_per_token)}, model {session.lm.name} "
-        f"on {session.lm.device} ({layout.dtype}), forward saw {session.runner.tokens_seen:,} tokens so far"
-    )
-    path = keeping.target.path if keeping.target is not None else None
-    if path is not None and path.exists():
-        ui.note(f"autosave file {path}: {ui.human_bytes(path.stat().st_size)}")
-    if keeping.store_name is not None:
-        ui.note(f"recorded in the store as session {keeping.store_name!r}")
 
 
 def _last_answer(messages: list[dict[str, str]]) -> str:

@@ -9,6 +9,7 @@ from tiny_models import UNSUPPORTED, build_tokenizer, tiny_config
 from transformers import LlamaConfig, T5Config
 
 from kvsnap.engine import cache as kvcache
+from kvsnap.engine import restorer as kvrestorer
 from kvsnap.errors import UnsupportedModelError
 from kvsnap.types import KV_DTYPES
 
@@ -85,7 +86,7 @@ def test_block_raw_restore_cache_round_trip_is_bit_exact(config, dtype, block_si
     expect = buf[:, :, :, : sizes[0]].contiguous().view(torch.uint8).reshape(-1).numpy()
     assert np.array_equal(first, expect)
 
-    restored = kvcache.restore_cache(config, layout, raws, sizes, total, torch.device("cpu"))
+    restored = kvrestorer.restore_cache(config, layout, raws, sizes, total, torch.device("cpu"))
     assert restored.length == total
     assert_cache_equals(restored, buf)
     for layer in restored.layers:
@@ -94,14 +95,14 @@ def test_block_raw_restore_cache_round_trip_is_bit_exact(config, dtype, block_si
     # Fewer tokens than the blocks hold: a token-granular cut inside the last block read.
     cut = total - 2 if block_size > 2 else total - 1
     needed = -(-cut // block_size)
-    part = kvcache.restore_cache(config, layout, raws[:needed], sizes[:needed], cut, torch.device("cpu"))
+    part = kvrestorer.restore_cache(config, layout, raws[:needed], sizes[:needed], cut, torch.device("cpu"))
     assert part.length == cut
     assert_cache_equals(part, buf[:, :, :, :cut])
 
 
 def test_restore_cache_of_zero_tokens(config):
     layout = kvcache.layout_of(config, torch.float32)
-    empty = kvcache.restore_cache(config, layout, [], [], 0, torch.device("cpu"))
+    empty = kvrestorer.restore_cache(config, layout, [], [], 0, torch.device("cpu"))
     assert empty.length == 0
 
 
@@ -110,7 +111,7 @@ def test_restore_cache_rejects_blocks_that_do_not_cover_the_tokens(config):
     buf = random_buffer(config, 4)
     raws, sizes = blocks_of(kvcache.cache_from_buffer(config, buf), 4, 4)
     with pytest.raises(AssertionError):
-        kvcache.restore_cache(config, layout, raws, sizes, 6, torch.device("cpu"))
+        kvrestorer.restore_cache(config, layout, raws, sizes, 6, torch.device("cpu"))
 
 
 def test_crop_cuts_every_layer_even_uneven_ones(config):
@@ -151,7 +152,7 @@ def test_model_cache_round_trips_and_continues_identically(llama):
     run(ids, live, 0)
     assert live.length == 30
     raws, sizes = blocks_of(live, 30, 8)
-    restored = kvcache.restore_cache(lm.config, lm.layout, raws, sizes, 30, lm.device)
+    restored = kvrestorer.restore_cache(lm.config, lm.layout, raws, sizes, 30, lm.device)
     for a, b in zip(live.layers, restored.layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     expect = run(nxt, live, 30)
@@ -196,8 +197,8 @@ def test_the_staging_ring_restores_what_the_direct_path_does(slots):
     total, bs = 70, 8
     buf = torch.randn(2, 2, 2, total, 8)
     raws, sizes = blocks_of(kvcache.cache_from_buffer(config, buf), total, bs)
-    direct = kvcache.restore_cache(config, layout, raws, sizes, total, torch.device("cpu"))
-    ring = kvcache.Restorer(layout, total, torch.device("cpu"), block_tokens=bs, ring_slots=slots)
+    direct = kvrestorer.restore_cache(config, layout, raws, sizes, total, torch.device("cpu"))
+    ring = kvrestorer.Restorer(layout, total, torch.device("cpu"), block_tokens=bs, ring_slots=slots)
     starts = [i * bs for i in range(len(raws))]
     writable = [bytearray(r) for r in raws]
     with ThreadPoolExecutor(4) as pool:

@@ -20,7 +20,7 @@ from tiny_models import ARCHS
 
 from kvsnap.engine.cache import KVCache
 from kvsnap.engine.runner import Runner
-from kvsnap.models import load_model, native
+from kvsnap.models import load_model, native, native_config
 
 NATIVE_ARCHS = ("llama", "qwen2", "mistral")
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +66,7 @@ def test_native_forward_equals_transformers(arch, dtype, tiny_model_dir, monkeyp
 def test_other_architectures_load_through_transformers(arch, tiny_lm):
     lm = tiny_lm(arch)
     assert lm.backend == "transformers"
-    assert native.unsupported_reason(lm.config, torch.device("cpu")) == f"model type {arch!r}"
+    assert native_config.unsupported_reason(lm.config, torch.device("cpu")) == f"model type {arch!r}"
 
 
 @pytest.mark.parametrize("arch", NATIVE_ARCHS)
@@ -80,13 +80,13 @@ def test_the_plain_config_reads_what_transformers_reads(arch, tiny_model_dir):
 
     folder = tiny_model_dir(arch)
     raw = json.loads((folder / "config.json").read_text())
-    plain, full = native.plain_config(raw), AutoConfig.from_pretrained(str(folder))
+    plain, full = native_config.plain_config(raw), AutoConfig.from_pretrained(str(folder))
     assert plain is not None
     assert native._Shape.of(plain) == native._Shape.of(full)
     assert layout_of(plain, torch.float32) == layout_of(full, torch.float32)
     assert max_positions_of(plain) == max_positions_of(full)
-    assert native.unsupported_reason(plain, torch.device("cpu")) is None
-    assert native.unsupported_reason(full, torch.device("cpu")) is None
+    assert native_config.unsupported_reason(plain, torch.device("cpu")) is None
+    assert native_config.unsupported_reason(full, torch.device("cpu")) is None
 
 
 def test_a_config_it_does_not_implement_goes_to_transformers(tiny_model_dir):
@@ -102,20 +102,20 @@ def test_a_config_it_does_not_implement_goes_to_transformers(tiny_model_dir):
         {"model_type": "phi3"},
         {"hidden_size": 65},
     ):
-        assert native.plain_config({**raw, **change}) is None, change
+        assert native_config.plain_config({**raw, **change}) is None, change
     missing = {k: v for k, v in raw.items() if k != "tie_word_embeddings"}
-    assert native.plain_config(missing) is None
+    assert native_config.plain_config(missing) is None
     # Mistral's class defaults to a sliding window: a config.json that does not say "none" is not plain.
     mistral = json.loads((tiny_model_dir("mistral") / "config.json").read_text())
-    assert native.plain_config({k: v for k, v in mistral.items() if k != "sliding_window"}) is None
-    assert native.plain_config({**mistral, "sliding_window": 16}) is None
+    assert native_config.plain_config({k: v for k, v in mistral.items() if k != "sliding_window"}) is None
+    assert native_config.plain_config({**mistral, "sliding_window": 16}) is None
 
     from transformers import AutoConfig
 
     full = AutoConfig.from_pretrained(str(tiny_model_dir("llama")))
     gelu = type(full).from_dict({**full.to_dict(), "hidden_act": "gelu"})
-    assert native.unsupported_reason(gelu, torch.device("cpu")) == "activation 'gelu'"
-    assert native.unsupported_reason(full, torch.device("meta")) == "device meta"
+    assert native_config.unsupported_reason(gelu, torch.device("cpu")) == "activation 'gelu'"
+    assert native_config.unsupported_reason(full, torch.device("meta")) == "device meta"
 
 
 def test_weights_that_are_not_exactly_its_tensors_load_through_transformers(tiny_model_dir, tmp_path):
@@ -125,7 +125,8 @@ def test_weights_that_are_not_exactly_its_tensors_load_through_transformers(tiny
     tensors = load_file(str(folder / "model.safetensors"))
     save_file({**tensors, "model.extra.weight": torch.zeros(2)}, str(folder / "model.safetensors"))
     with pytest.raises(native.NotNative, match="unexpected"):
-        native.load(folder, native.plain_config(json.loads((folder / "config.json").read_text())), torch.float32, {})
+        config = native_config.plain_config(json.loads((folder / "config.json").read_text()))
+        native.load(folder, config, torch.float32, {})
     lm = load_model(str(folder), device="cpu")
     assert lm.backend == "transformers"  # which loads it and ignores the stray tensor, as it always did
     assert not getattr(lm.config, "plain", False)  # with its own config, so the cache is one it takes

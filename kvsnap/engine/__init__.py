@@ -1,6 +1,7 @@
 """Running a model over a KV cache; torch lives here (and in ``kvsnap.models.load``).
 
 cache          ``KVCache``: the one adapter to transformers' cache API; raw blocks in and out
+restorer       restored blocks into the KV buffer (direct on the CPU, a pinned ring to a GPU)
 attention      a GQA-aware SDPA registered with transformers (no ``repeat_kv`` copy)
 sampling       logits -> token ids, token ids -> streamed text
 runner         forward passes with explicit positions; the decode loop

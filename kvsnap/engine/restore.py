@@ -17,7 +17,8 @@ import numpy as np
 
 from kvsnap import prefix, provenance
 from kvsnap.engine import arena
-from kvsnap.engine.cache import TORCH_DTYPES, KVCache, Restorer, cache_from_buffer
+from kvsnap.engine.cache import TORCH_DTYPES, KVCache, cache_from_buffer
+from kvsnap.engine.restorer import Restorer
 from kvsnap.format import prefetch
 from kvsnap.format.pool import Scratch, map_in_order
 from kvsnap.format.reader import Snapshot

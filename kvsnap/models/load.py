@@ -128,6 +128,15 @@ def load_tokenizer(folder: Path, *, plain: bool = False):
         raise ModelError(f"cannot load the tokenizer from {folder}: {exc}") from None
 
 
+def preload_chat_template(lm: LoadedModel) -> None:
+    """Start loading what renders ``lm``'s chat template, in the background: transformers' tokenizer
+    behind a ``kvsnap.models.plain_tokenizer`` (a chat or a server renders one soon; nothing to do
+    for a transformers tokenizer, which renders it itself)."""
+    preload = getattr(lm.tokenizer, "preload", None)
+    if preload is not None:
+        preload()
+
+
 def json_object(path: Path, limit: int = 16 << 20) -> dict[str, Any] | None:
     """A small JSON object file of a model folder, or None when it is missing, not a regular file,
     too large or not a JSON object (whoever reads it next says what is wrong)."""
@@ -168,14 +177,14 @@ def load_model(
 
     mark("torch")
     from kvsnap.engine import cache
-    from kvsnap.models import native
+    from kvsnap.models import native, native_config
 
     mark("kvsnap.engine")
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     raw_config = config_file(folder)
-    use_native = native.enabled() and dev.type == "cpu"
-    config = native.plain_config(raw_config) if use_native else None
+    use_native = native_config.enabled() and dev.type == "cpu"
+    config = native_config.plain_config(raw_config) if use_native else None
     if config is None:
         config = _transformers_config(folder, mark)
     mark("config")  # with the import of transformers' config classes, unless native read it
@@ -185,7 +194,7 @@ def load_model(
         check_layout(layout)
     progress(f"loading {spec}")
     model = None
-    if use_native and native.unsupported_reason(config, dev) is None:
+    if use_native and native_config.unsupported_reason(config, dev) is None:
         try:
             model = native.load(folder, config, torch_dtype, _tied_aliases(folder))
         except Exception:
