@@ -5,7 +5,9 @@ suffix follows a saved prefix, both on all cores of this CPU. llama.cpp (via the
 ``llama-cpp-python`` package, Q4_1 weights, f16 KV, its context created before the timer as it
 would be in a server) saves its state with ``llama_state_save_file`` and a resume is
 ``llama_state_load_file`` + the suffix. kvsnap (float32 weights and KV) resumes in a warm process:
-``Session.run(resume=...)``, restore + suffix. Runs alternate; medians and spread are reported.
+``Session.run(resume=...)``, restore + suffix, with its linear weights packed for oneDNN as a chat, a
+server or a batch packs them (``kvsnap/models/packing.py``); the same resume over the unpacked weights
+runs beside it. Runs alternate; medians and spread are reported.
 
 llama-cpp-python is not a kvsnap dependency; build it in its own folder and point at it:
 
@@ -30,6 +32,7 @@ from benchmarks.common import describe, document, machine, model_arguments, tabl
 from kvsnap.config import SamplingParams  # noqa: E402
 from kvsnap.engine.session import Session  # noqa: E402
 from kvsnap.models import load_model  # noqa: E402
+from kvsnap.models.load import forward_kind, start_packing  # noqa: E402
 
 SUFFIX = 32
 ONE = SamplingParams(max_new_tokens=1, temperature=0)
@@ -112,13 +115,10 @@ def main() -> None:
     model_arguments(parser)
     args = parser.parse_args()
     lm = load_model(args.model, device="cpu", dtype=args.dtype)
-    # The same model through transformers' modeling classes (KVSNAP_NATIVE=0), for the suffix-only
-    # floor side by side: what the native forward (kvsnap/models/native.py) bought in process.
-    os.environ["KVSNAP_NATIVE"] = "0"
-    lm_tf = load_model(args.model, device="cpu", dtype=args.dtype) if lm.backend == "native" else None
-    os.environ.pop("KVSNAP_NATIVE")
+    # The same model, its weights left as the file has them: what packing bought, side by side.
+    unpacked = load_model(args.model, device="cpu", dtype=args.dtype) if start_packing(lm) else None
     cpp = LlamaCpp(args.llama_site, n_ctx=max(args.lengths) + 64)
-    Session(lm).run(document(lm.tokenizer, 64), ONE)  # warm up both
+    Session(lm).run(document(lm.tokenizer, 64), ONE)  # warm up both (and wait for the packing)
     cpp.cold(document(lm.tokenizer, 64))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -137,8 +137,8 @@ def main() -> None:
             del raw_primer
             cpp.save(prefix, state)
             res = {"cpp": [], "kvsnap": [], "kvsnap_restore": [], "kvsnap_suffix": [], "kvsnap_raw": []}
-            if lm_tf is not None:
-                res["kvsnap_tf_suffix"] = []
+            if unpacked is not None:
+                res["kvsnap_unpacked"], res["kvsnap_unpacked_suffix"] = [], []
             for _ in range(args.repeats + 1):  # the first round warms page cache and pools: not kept
                 res["cpp"].append(cpp.resume(state, ids, len(prefix)))
                 result = Session(lm).run(ids, ONE, resume=kv)
@@ -152,10 +152,11 @@ def main() -> None:
                 del warm
                 # The same resume from a file written with --codec raw (no decompression).
                 res["kvsnap_raw"].append(Session(lm).run(ids, ONE, resume=raw).ttft_s)
-                if lm_tf is not None:
-                    warm = Session(lm_tf)
+                if unpacked is not None:
+                    res["kvsnap_unpacked"].append(Session(unpacked).run(ids, ONE, resume=kv).ttft_s)
+                    warm = Session(unpacked)
                     warm.restore(kv, ids)
-                    res["kvsnap_tf_suffix"].append(warm.run(ids, ONE).ttft_s)
+                    res["kvsnap_unpacked_suffix"].append(warm.run(ids, ONE).ttft_s)
                     del warm
             cold = {"cpp": [], "kvsnap": []}
             for _ in range(args.cold_repeats):
@@ -169,6 +170,8 @@ def main() -> None:
                 row[f"{name}_cold_s"] = statistics.median(values)
             row["kvsnap_vs_cpp"] = row["kvsnap_resume_s"] / row["cpp_resume_s"]
             row["kvsnap_raw_vs_cpp"] = row["kvsnap_raw_resume_s"] / row["cpp_resume_s"]
+            if unpacked is not None:
+                row["kvsnap_unpacked_vs_cpp"] = row["kvsnap_unpacked_resume_s"] / row["cpp_resume_s"]
             rows.append(row)
             print(
                 f"  {n}: llama.cpp {row['cpp_resume_s']:.3f} s, kvsnap {row['kvsnap_resume_s']:.3f} s", file=sys.stderr
@@ -181,8 +184,10 @@ def main() -> None:
         ("kvsnap_resume_spread_s", "spread", ".3f"),
         ("kvsnap_restore_resume_s", "kvsnap restore s", ".3f"),
         ("kvsnap_suffix_resume_s", "kvsnap suffix only s", ".3f"),
-        ("kvsnap_tf_suffix_resume_s", "suffix only, transformers s", ".3f"),
         ("kvsnap_vs_cpp", "kvsnap/llama.cpp", ".2f"),
+        ("kvsnap_unpacked_resume_s", "unpacked weights: resume s", ".3f"),
+        ("kvsnap_unpacked_suffix_resume_s", "unpacked: suffix only s", ".3f"),
+        ("kvsnap_unpacked_vs_cpp", "unpacked/llama.cpp", ".2f"),
         ("kvsnap_raw_resume_s", "kvsnap raw-codec resume s", ".3f"),
         ("kvsnap_raw_vs_cpp", "raw/llama.cpp", ".2f"),
         ("cpp_cold_s", "llama.cpp cold s", ".2f"),
@@ -195,7 +200,7 @@ def main() -> None:
     print(describe(info))
     print(
         f"llama.cpp: {gguf_path().name}, f16 KV, {os.cpu_count()} threads; kvsnap: {args.model} {lm.layout.dtype} "
-        f"({lm.backend} forward); "
+        f"({forward_kind(lm)}); "
         f"{SUFFIX}-token suffix; resume: median of {args.repeats} after a warm-up round, cold: {args.cold_repeats}"
     )
     print(table(rows, cols))

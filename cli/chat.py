@@ -121,9 +121,9 @@ def chat(
     target = AutosaveTarget(autosave, seen=seen) if autosave is not None else None
     keeping = Keeping(target, opts.store_session, force, BackgroundSaver(session))
     _say_where(keeping, opts.store)
-    from kvsnap.models.load import preload_chat_template
+    from kvsnap.models.load import preload
 
-    preload_chat_template(session.lm)
+    preload(session.lm)  # the chat template's tokenizer and packed weights, while the user types
     if interactive:
         import readline  # noqa: F401  (line editing and history for input())
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from cli import ui
+from kvsnap.models.load import forward_kind
 
 if TYPE_CHECKING:
     from cli.chat import Keeping
@@ -39,7 +40,8 @@ def stats(session, keeping: Keeping) -> None:
     ui.note(
         f"{session.num_tokens:,} tokens in the session ({ui.plural(turns, 'turn')}), raw KV "
         f"{ui.human_bytes(session.num_tokens * layout.bytes_per_token)}, model {session.lm.name} "
-        f"on {session.lm.device} ({layout.dtype}), forward saw {session.runner.tokens_seen:,} tokens so far"
+        f"on {session.lm.device} ({layout.dtype}, {forward_kind(session.lm)}), "
+        f"forward saw {session.runner.tokens_seen:,} tokens so far"
     )
     path = keeping.target.path if keeping.target is not None else None
     if path is not None and path.exists():

@@ -101,9 +101,9 @@ def serve(
         store_path = None if no_store else (store or kvsnap_home() / "store")
         block_store = open_store(store_path, store_budget) if store_path is not None else None
         lm = ui.load_model(model, device, dtype, check_layout=session_config.check_layout)
-        from kvsnap.models.load import preload_chat_template
+        from kvsnap.models.load import preload
 
-        preload_chat_template(lm)  # requests render chat templates
+        preload(lm)  # requests render chat templates and run many forwards
         _run(lm, session_config, block_store, keys, max_queue, sock, model)
     finally:
         sock.close()

@@ -231,6 +231,7 @@ def test_chat_slash_commands(model, tmp_path, kvsnap_home):
     assert result.returncode == 0, result.stderr
     assert "/save [FILE]" in result.stderr and other.exists()
     assert "conversation reset" in result.stderr and "0 tokens in the session" in result.stderr
+    assert "native forward, packed weights" in result.stderr  # a chat packs its weights while the user types
     assert "unknown command /bogus" in result.stderr
 
 

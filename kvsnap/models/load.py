@@ -137,6 +137,29 @@ def preload_chat_template(lm: LoadedModel) -> None:
         preload()
 
 
+def start_packing(lm: LoadedModel) -> bool:
+    """Start packing ``lm``'s linear weights for oneDNN in the background (``kvsnap.models.packing``):
+    for a process that runs many forwards. Its forwards wait for it. False where nothing is packed."""
+    start = getattr(lm.model, "start_packing", None)
+    return bool(start is not None and start())
+
+
+def forward_kind(lm: LoadedModel) -> str:
+    """What runs ``lm``'s forward, in words: "native forward, packed weights", "transformers forward"."""
+    packing = getattr(lm.model, "packing", None)
+    if packing is None:
+        return f"{lm.backend} forward"
+    if packing.error is not None:
+        return f"{lm.backend} forward, weights not packed ({packing.error})"
+    return f"{lm.backend} forward, {'packed weights' if packing.done else 'packing weights'}"
+
+
+def preload(lm: LoadedModel) -> None:
+    """What a long-lived process (a chat, a server) starts in the background once the model is loaded."""
+    preload_chat_template(lm)
+    start_packing(lm)
+
+
 def json_object(path: Path, limit: int = 16 << 20) -> dict[str, Any] | None:
     """A small JSON object file of a model folder, or None when it is missing, not a regular file,
     too large or not a JSON object (whoever reads it next says what is wrong)."""

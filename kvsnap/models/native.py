@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvsnap.models import packing
 from kvsnap.models.native_config import FAMILY
 
 
@@ -81,8 +82,11 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _param(outputs, inputs)
         self.bias = _param(outputs) if bias else None
+        self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout (kvsnap.models.packing)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packing.linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -190,9 +194,12 @@ class Decoder(nn.Module):
         past = cache.get_seq_length() if cache is not None else 0
         mask = None
         if q_len > 1 and past:
-            # Query i (position past + i) sees keys 0..past + i.
+            # Query i (position past + i) sees keys 0..past + i. Additive, made once here: SDPA turns a
+            # bool mask into this very tensor in every layer (7% of a 32-token forward's attention at 4k).
             keys = torch.arange(past + q_len, device=input_ids.device)
-            mask = (keys[None, :] <= torch.arange(past, past + q_len, device=input_ids.device)[:, None])[None, None]
+            seen = keys[None, :] <= torch.arange(past, past + q_len, device=input_ids.device)[:, None]
+            mask = torch.zeros(seen.shape, dtype=x.dtype, device=x.device).masked_fill_(~seen, float("-inf"))
+            mask = mask[None, None]
         for layer in self.layers:
             x = layer(x, cos, sin, mask, cache)
         return self.norm(x)
@@ -214,6 +221,19 @@ class NativeCausalLM(nn.Module):
         self.lm_head = Linear(self.shape.hidden, self.shape.vocab, bias=False)
         if self.shape.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.packing: packing.Packing | None = None
+
+    def packable_linears(self) -> list[Linear]:
+        # Not the lm_head: a forward runs it on one row, where packing buys nothing (and it may be the
+        # tied embedding, 113 MB for the default model, that a copy would double).
+        return [m for m in self.model.modules() if isinstance(m, Linear)]
+
+    def start_packing(self) -> bool:
+        """Pack the linear weights in the background (``kvsnap.models.packing``); forwards from now on wait
+        for it and run over them. False where they are not packed."""
+        if self.packing is None and packing.unsupported_reason(self) is None:
+            self.packing = packing.Packing(self)
+        return self.packing is not None
 
     def get_input_embeddings(self) -> Embedding:
         return self.model.embed_tokens
@@ -230,6 +250,8 @@ class NativeCausalLM(nn.Module):
         logits_to_keep: int = 0,
         **_: Any,
     ) -> Output:
+        if self.packing is not None:
+            self.packing.wait()  # every forward after start_packing runs over the packed weights, or none
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(past, past + input_ids.shape[1], device=input_ids.device).unsqueeze(0)

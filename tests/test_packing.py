@@ -1,0 +1,108 @@
+"""kvsnap.models.packing: the native forward's linear weights reordered for oneDNN, for processes that run
+many forwards (chat, serve, run --batch).
+
+The packed model must be the same model to float rounding (logits and KV), a resume over it must
+still equal a cold run and skip the prefix, every forward after ``start_packing`` must run packed
+(none half-way), and a packing that fails or is not possible must leave the model exactly as it was.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_native import NATIVE_ARCHS, _run
+
+from kvsnap.config import SamplingParams
+from kvsnap.engine.session import Session
+from kvsnap.models import load_model, native, packing
+from kvsnap.models.load import forward_kind, start_packing
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=6)
+IDS = list(range(3, 25))
+
+
+def _load(tiny_model_dir, arch: str = "llama", dtype: str = "float32"):
+    # Not the shared tiny_lm: a packed model is another model to float rounding.
+    return load_model(str(tiny_model_dir(arch)), device="cpu", dtype=dtype)
+
+
+def _packed(lm) -> list[bool]:
+    return [m.packed is not None for m in lm.model.modules() if isinstance(m, native.Linear)]
+
+
+@pytest.mark.parametrize("arch", NATIVE_ARCHS)
+def test_packed_forward_equals_the_unpacked_one(arch, tiny_model_dir):
+    plain, packed = _load(tiny_model_dir, arch), _load(tiny_model_dir, arch)
+    assert start_packing(packed) and not any(_packed(packed))  # nothing is set before it is all done
+    (a_logits, a_kv), (b_logits, b_kv) = _run(plain, IDS), _run(packed, IDS)
+    # Every linear but the lm_head (one row a forward: packing buys nothing there) runs packed.
+    assert _packed(packed) == [True] * (len(_packed(packed)) - 1) + [False]
+    assert packed.model.packing.done and packed.model.packing.error is None
+    assert forward_kind(packed) == "native forward, packed weights"
+    assert forward_kind(plain) == "native forward"
+    for a, b in zip(a_logits, b_logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a_kv, b_kv, rtol=1e-5, atol=1e-5)
+    assert start_packing(packed)  # idempotent: the same packing
+    # The weights the state dict and the fingerprint see are untouched.
+    assert all(torch.equal(a, b) for a, b in zip(plain.model.state_dict().values(), packed.model.state_dict().values()))
+
+
+def test_a_resume_over_packed_weights_equals_cold_and_skips_the_prefix(tiny_model_dir, forward_counter, tmp_path):
+    lm = _load(tiny_model_dir)
+    start_packing(lm)
+    ids = list(range(5, 45))
+    prefix, path = ids[:27], tmp_path / "p.kv"
+    primer = Session(lm, block_size=8)
+    primer.prefill(prefix)
+    primer.save(path)
+
+    cold = Session(lm, block_size=8, chunk_size=7)
+    cold.prefill(ids)
+    cold_logits, cold_tokens = cold.last_logits.clone(), cold.generate(GREEDY).token_ids
+
+    resumed = Session(lm, block_size=8, chunk_size=7)
+    assert resumed.restore(path, ids).hit_tokens == len(prefix)
+    counter = forward_counter(lm)
+    plan, seen = resumed.prefill(ids)
+    assert counter.tokens == seen == len(ids) - len(prefix)
+    assert counter.calls == math.ceil((len(ids) - len(prefix)) / 7) == len(plan.chunks)
+    torch.testing.assert_close(resumed.last_logits, cold_logits, rtol=0, atol=1e-4)
+    assert resumed.generate(GREEDY).token_ids == cold_tokens
+    assert all(_packed(lm)[:-1])
+
+
+def test_weights_are_packed_only_where_it_can_be_done(tiny_model_dir, monkeypatch):
+    assert not start_packing(_load(tiny_model_dir, dtype="bfloat16"))  # float32 only
+    assert packing.unsupported_reason(_load(tiny_model_dir, dtype="bfloat16").model) is not None
+    monkeypatch.setattr(packing, "ENABLED", False)  # KVSNAP_PACK=0
+    lm = _load(tiny_model_dir)
+    assert not start_packing(lm) and packing.unsupported_reason(lm.model) == "KVSNAP_PACK=0"
+    monkeypatch.setattr(packing, "ENABLED", True)
+    monkeypatch.setenv("KVSNAP_NATIVE", "0")
+    theirs = _load(tiny_model_dir)
+    assert theirs.backend == "transformers" and not start_packing(theirs)
+    assert forward_kind(theirs) == "transformers forward"
+
+
+@pytest.mark.parametrize("failure", ["raises", "disagrees"])
+def test_a_packing_that_fails_leaves_the_model_as_it_was(failure, tiny_model_dir, monkeypatch):
+    if failure == "raises":
+
+        def broken_pack(weight):
+            raise RuntimeError("no oneDNN here")
+
+        monkeypatch.setattr(packing, "pack", broken_pack)
+    else:  # a kernel whose products are wrong must never be used
+        monkeypatch.setattr(packing, "linear", lambda x, packed, bias: torch.zeros(1))
+    plain, lm = _load(tiny_model_dir), _load(tiny_model_dir)
+    assert start_packing(lm)
+    a, b = _run(plain, IDS), _run(lm, IDS)
+    assert not any(_packed(lm)) and not lm.model.packing.done
+    assert ("no oneDNN here" if failure == "raises" else "disagrees") in lm.model.packing.error
+    assert "weights not packed" in forward_kind(lm)
+    for x, y in zip(a[0], b[0]):
+        assert torch.equal(x, y)  # exactly the unpacked model
+    assert torch.equal(a[1], b[1])
