@@ -32,6 +32,7 @@ def main() -> None:
     args = parser.parse_args()
 
     lm = kvsnap.load_model(args.model, install=True)
+    kvsnap.start_packing(lm)  # several forwards ahead: weights packed for oneDNN in the background (CPU)
     session = kvsnap.Session(lm)
     greedy = kvsnap.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0)
 

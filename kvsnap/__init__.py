@@ -37,6 +37,7 @@ _LAZY = {
     "load_model": "kvsnap.models",
     "resolve_model": "kvsnap.models",
     "LoadedModel": "kvsnap.models",
+    "start_packing": "kvsnap.models.load",
     "Session": "kvsnap.engine.session",
     "TurnResult": "kvsnap.engine.results",
     "SaveStats": "kvsnap.engine.results",

@@ -162,3 +162,15 @@ def test_startup_benchmark_times_each_stage_of_a_new_process(bench, tiny_model_d
     for run in data["runs"]:
         parts = sum(v for k, v in run["stages"].items() if k not in ("total", "cpu") and not k.startswith("="))
         assert 0 < parts <= run["stages"]["total"] * 1.01
+
+
+def test_packing_benchmark_compares_packed_and_unpacked_forwards(bench, tiny_model_dir):
+    out, data = bench(
+        "packing", "--model", str(tiny_model_dir("llama")), "--lengths", "100", "--repeats", "2", "--chunk", "40"
+    )
+    assert out.startswith("machine: ")
+    (row,) = data["rows"]
+    assert row["tokens"] == 100 and row["chunk_tokens"] == 40 and data["pack_s"] > 0
+    for name in ("unpacked", "packed"):
+        assert row[f"{name}_suffix_s"] > 0 and row[f"{name}_chunk_s"] > 0
+        assert row[f"{name}_linear_ms"] > 0  # the profile found the linear layers of both (mm or oneDNN)
