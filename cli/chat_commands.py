@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from cli import ui
-from kvsnap.models.load import forward_kind
 
 if TYPE_CHECKING:
     from cli.chat import Keeping
@@ -35,6 +34,8 @@ def reset(session, keeping: Keeping) -> None:
 
 
 def stats(session, keeping: Keeping) -> None:
+    from kvsnap.models.load import forward_kind
+
     layout = session.lm.layout
     turns = sum(1 for m in (session.messages or []) if m["role"] == "user")
     ui.note(
