@@ -477,3 +477,52 @@ def test_json_output_stays_strict(capsysbinary):
     ui.print_json({"id": float("inf"), "x": [float("nan")], "path": "caf\udce9.kv"})
     (row,) = lines_of(capsysbinary.readouterr().out)
     assert row == {"id": "inf", "x": ["nan"], "path": "caf\udce9.kv"}
+
+
+# -- model folders: files transformers, tokenizers and safetensors read ---------------------------------
+
+
+@pytest.mark.parametrize(
+    "name", ["tokenizer.json", "model.safetensors", "chat_template.jinja", "special_tokens_map.json"]
+)
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_model_folder_holding_a_fifo_or_device_is_refused_naming_the_file(model, tmp_path, name, kind):
+    """Before: a FIFO tokenizer.json or model.safetensors failed deep inside transformers with its own
+    words ("Couldn't instantiate the backend tokenizer", "no file named model.safetensors"), and a FIFO
+    chat template was silently taken for no template. Now the file is named before anything reads it."""
+    from kvsnap.errors import ModelError
+    from kvsnap.models.resolve import resolve_model
+
+    folder = tmp_path / "model"
+    shutil.copytree(model, folder)
+    target = folder / name
+    target.unlink(missing_ok=True)
+    if kind == "fifo":
+        os.mkfifo(target)
+    else:
+        target.symlink_to("/dev/null")
+    with pytest.raises(ModelError, match="FIFO" if kind == "fifo" else "character device") as err:
+        within(30, lambda: resolve_model(str(folder)), fifo=target if kind == "fifo" else None)
+    assert str(target) in str(err.value) and "not a regular file" in str(err.value)
+
+
+def test_an_oversized_small_json_file_is_refused_and_links_to_regular_files_are_fine(model, tmp_path, kvsnap_home):
+    from kvsnap.errors import ModelError
+    from kvsnap.models.resolve import SMALL_JSON_LIMIT, resolve_model
+
+    # As in the Hugging Face cache: every file a symlink to a blob elsewhere. It loads and runs.
+    blobs, folder = tmp_path / "blobs", tmp_path / "linked"
+    shutil.copytree(model, blobs)
+    folder.mkdir()
+    for path in blobs.iterdir():
+        (folder / path.name).symlink_to(path)
+    assert resolve_model(str(folder)) == folder
+    result = kvsnap("run", *base(folder), "--prompt", "hi", "--max-new-tokens", "1", home=kvsnap_home)
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    # A generation_config.json transformers would read whole: refused past the bound, as kvsnap's own reads are.
+    big = tmp_path / "big"
+    shutil.copytree(model, big)
+    with open(big / "generation_config.json", "wb") as f:
+        f.truncate(SMALL_JSON_LIMIT + 1)
+    with pytest.raises(ModelError, match="generation_config.json: model file larger than 16 MiB"):
+        resolve_model(str(big))

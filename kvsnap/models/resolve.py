@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -98,6 +99,7 @@ def resolve_model(spec: str = DEFAULT_MODEL, *, progress: Progress = noop, insta
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelError(f"{path} is a folder without config.json; not a transformers model folder")
+        check_model_files(path)
         return path
     if path.is_file():
         if path.suffix != ".gguf":
@@ -115,11 +117,63 @@ def _from_hf_cache(repo_id: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(repo_id, local_files_only=True))
+        folder = Path(snapshot_download(repo_id, local_files_only=True))
     except Exception:
         raise ModelError(
             f"{repo_id} is not in the local Hugging Face cache; kvsnap loads hub models offline only"
         ) from None
+    check_model_files(folder)
+    return folder
+
+
+# Files a loader may read from a model folder (kvsnap, transformers, tokenizers, safetensors).
+_MODEL_FILE_SUFFIXES = (".json", ".jinja", ".safetensors", ".bin", ".pt", ".model", ".txt", ".tiktoken", ".gguf")
+# Small JSON files that transformers reads whole: bounded as kvsnap's own reads of them are.
+_SMALL_JSON = {
+    "config.json",
+    "generation_config.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "model.safetensors.index.json",
+}
+SMALL_JSON_LIMIT = 16 << 20
+MAX_FOLDER_ENTRIES = 10_000
+
+
+def check_model_files(folder: Path) -> None:
+    """Refuse a model folder holding, under a name a loader reads, anything but a regular file (a
+    symlink to one is fine: the Hugging Face cache is made of them), or an oversized small JSON file.
+
+    kvsnap bounds its own reads of a model folder, but transformers, tokenizers and safetensors
+    read what they find: a FIFO would hang them, ``/dev/zero`` never end, a 10 GB ``config.json``
+    fill memory. This says which file, in one line, before anything reads it.
+    """
+    from kvsnap.paths import kind_of
+
+    try:
+        with os.scandir(folder) as entries:
+            names = [e.name for _, e in zip(range(MAX_FOLDER_ENTRIES + 1), entries)]
+    except OSError as exc:
+        raise ModelError(f"{folder}: cannot list the model folder ({exc.strerror or exc})") from None
+    if len(names) > MAX_FOLDER_ENTRIES:
+        raise ModelError(f"{folder}: more than {MAX_FOLDER_ENTRIES:,} entries; not a model folder")
+    for name in sorted(names):
+        if not name.endswith(_MODEL_FILE_SUFFIXES):
+            continue
+        path = folder / name
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue  # a broken link: the loader that needs it says so
+        if stat.S_ISDIR(st.st_mode):
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            raise ModelError(f"{path}: model file is {kind_of(st.st_mode)}, not a regular file")
+        if name in _SMALL_JSON and st.st_size > SMALL_JSON_LIMIT:
+            raise ModelError(f"{path}: model file larger than {SMALL_JSON_LIMIT >> 20} MiB")
 
 
 def convert_gguf(gguf: Path, folder: Path, *, progress: Progress = noop) -> Path:
