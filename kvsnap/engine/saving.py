@@ -4,6 +4,7 @@ encoded in parallel threads, the file replaced atomically."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -11,9 +12,25 @@ from kvsnap.engine import verify as verifying
 from kvsnap.engine.results import SaveStats
 from kvsnap.format.meta import SnapshotHeader
 from kvsnap.format.writer import write_snapshot
+from kvsnap.types import EncodedBlock
 
 if TYPE_CHECKING:
     from kvsnap.engine.session import Session
+
+
+def encode_blocks(session: Session, tokens: Sequence[int], first: int = 0) -> tuple[list[EncodedBlock], int]:
+    """Blocks ``first``.. of ``tokens`` as stored, and how many had to be encoded now (the rest were
+    encoded earlier in the session, or read from a snapshot, and are kept as they are)."""
+    return session._encoded.encode(
+        session.cache,
+        tokens,
+        first,
+        block_size=session.block_size,
+        root=session.root(),
+        codec=session.codec,
+        level=session.level,
+        storage_dtype=session.storage_dtype,
+    )
 
 
 def save(session: Session, path: str | Path, *, flush: bool = True) -> SaveStats:
@@ -21,7 +38,7 @@ def save(session: Session, path: str | Path, *, flush: bool = True) -> SaveStats
     t0 = time.perf_counter()
     flushed = session.flush() if flush else 0
     n = len(session.tokens)
-    final, encoded = session._encode_blocks(session.tokens)
+    final, encoded = encode_blocks(session, session.tokens)
     logits = session.last_logits.float().cpu().numpy() if session.last_logits is not None else None
     header = SnapshotHeader(
         model=session.lm.name,

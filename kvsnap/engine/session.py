@@ -34,7 +34,6 @@ from kvsnap.engine.results import SaveStats, TurnResult
 from kvsnap.engine.runner import Generation, Runner, generate
 from kvsnap.errors import ConfigError, SnapshotError, StoreError
 from kvsnap.models.load import LoadedModel
-from kvsnap.types import EncodedBlock
 
 if TYPE_CHECKING:
     from kvsnap.reuse import ReuseDecision
@@ -383,19 +382,6 @@ class Session:
         )
 
     # -- save --------------------------------------------------------------------------------
-
-    def _encode_blocks(self, tokens: Sequence[int], first: int = 0) -> tuple[list[EncodedBlock], int]:
-        """Blocks ``first``.. of ``tokens`` as stored, and how many had to be encoded now."""
-        return self._encoded.encode(
-            self.cache,
-            tokens,
-            first,
-            block_size=self.block_size,
-            root=self.root(),
-            codec=self.codec,
-            level=self.level,
-            storage_dtype=self.storage_dtype,
-        )
 
     def save(self, path: str | Path, *, flush: bool = True) -> SaveStats:
         """Write the session (every token, prompt and generated) to a ``.kv`` file, atomically.

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvsnap import provenance
+from kvsnap.engine.saving import encode_blocks
 from kvsnap.engine.verify import recorded
 from kvsnap.types import EncodedBlock
 
@@ -27,7 +28,7 @@ def blocks_for_store(session: Session, tokens: Sequence[int]) -> list[EncodedBlo
     """Blocks of ``tokens`` for the store: None for those it holds already, the rest encoded."""
     assert session.store is not None
     known = len(session.store.lookup(tokens, session.root(), session.block_size, touch=False).hashes)
-    return [None] * known + session._encode_blocks(tokens, first=known)[0]
+    return [None] * known + encode_blocks(session, tokens, first=known)[0]
 
 
 def store_blocks(session: Session) -> int:
