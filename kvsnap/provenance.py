@@ -17,7 +17,10 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-KEYS = ("kvsnap", "torch", "transformers", "device")
+# "forward": which code ran the model, "native" (kvsnap/models/native.py) or "transformers" (its
+# classes); the transformers version is recorded either way (the native forward is checked against it).
+KEYS = ("kvsnap", "torch", "transformers", "forward", "device")
+_LIBRARIES = ("kvsnap", "torch", "transformers")
 # A version or device name is short; anything longer is damage or hostile, and is dropped.
 MAX_VALUE = 200
 
@@ -55,10 +58,11 @@ def differences(recorded: Mapping[str, str] | str | None, running: Mapping[str, 
 
 
 def describe(made_by: Mapping[str, str] | str | None) -> str:
-    """``kvsnap 0.1.0, torch 2.5.1, transformers 4.57.1 on cpu``, or why it cannot be said."""
+    """``kvsnap 0.1.0, torch 2.5.1, transformers 4.57.1 (native forward) on cpu``, or why it cannot be said."""
     made = parse(made_by)
     if made is None:
         return "not recorded"
-    libs = ", ".join(f"{k} {made[k]}" for k in KEYS[:-1] if k in made)
+    libs = ", ".join(f"{k} {made[k]}" for k in _LIBRARIES if k in made)
+    forward = f" ({made['forward']} forward)" if "forward" in made else ""
     device = f" on {made['device']}" if "device" in made else ""
-    return (libs or "unknown versions") + device
+    return (libs or "unknown versions") + forward + device

@@ -25,6 +25,7 @@ from kvsnap.engine import verify
 from kvsnap.engine.session import Session
 from kvsnap.errors import VerifyError
 from kvsnap.format import Snapshot, encode_block, write_snapshot
+from kvsnap.models import load_model
 from kvsnap.store import BlockIndex, BlockStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +82,7 @@ def test_snapshots_record_what_made_them_and_inspect_shows_it(llama, tmp_path):
     info = json.loads(runner.invoke(app, ["inspect", str(snap), "--json"]).stdout)
     assert info["made_by"] == made
     shown = runner.invoke(app, ["inspect", str(snap)]).stdout
-    assert f"transformers {made['transformers']}" in shown and "on cpu" in shown
+    assert f"transformers {made['transformers']} (native forward) on cpu" in " ".join(shown.split())
     set_recorded(snap, made_by=None)
     assert "not recorded" in runner.invoke(app, ["inspect", str(snap)]).stdout
 
@@ -245,3 +246,18 @@ def test_chat_recomputes_a_conversation_whose_kv_fails_the_check(llama, tiny_mod
     assert "the conversation is kept and its KV computed again" in kept.stderr
     with Snapshot(tmp_path / "chat.kv") as after:
         assert len(after.meta.messages) == 4  # the earlier turn and the new one
+
+
+def test_kv_made_through_transformers_classes_is_checked_when_the_native_forward_resumes_it(
+    tiny_model_dir, llama, tmp_path, monkeypatch
+):
+    """made_by names the forward that computed the KV: a snapshot from transformers' classes
+    (KVSNAP_NATIVE=0, or a model the native forward does not take) is spot checked by a native resume."""
+    monkeypatch.setenv("KVSNAP_NATIVE", "0")
+    theirs = load_model(str(tiny_model_dir("llama")), device="cpu")
+    assert theirs.backend == "transformers" and llama.backend == "native"
+    snap = saved(theirs, tmp_path / "t.kv")
+    with Snapshot(snap) as s:
+        assert s.meta.extra["made_by"]["forward"] == "transformers"
+    result = Session(llama, block_size=BS).run(ids(40) + [70], GREEDY, resume=snap)
+    assert result.verify["passed"] and "forward transformers -> native" in result.verify["reason"]

@@ -107,6 +107,7 @@ def running_made_by(lm: LoadedModel) -> dict[str, str]:
         "kvsnap": kvsnap.__version__,
         "torch": torch.__version__,
         "transformers": _transformers_version(),
+        "forward": lm.backend,
         "device": device_kind(lm.device),
     }
 
