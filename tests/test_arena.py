@@ -53,6 +53,22 @@ def test_a_dropped_buffer_is_reused_and_a_viewed_one_never(llama, tmp_path):
     assert c.run(ids, GREEDY).text == Session(llama, block_size=16).run(ids, GREEDY).text
 
 
+def test_a_fresh_prefill_writes_into_the_buffer_it_reserved_and_never_regrows(llama):
+    """Bug: a fresh cache dropped the buffer ``prefill`` reserved for the whole prompt at its first
+    chunk (an empty view's data_ptr() is 0, so the reserved buffer looked foreign) and regrew its
+    own per layer, doubling and copying its history chunk after chunk."""
+    s = Session(llama, block_size=16, chunk_size=16)
+    seen = []
+    handle = llama.model.register_forward_hook(lambda *_: seen.append(_ptr(s)))
+    try:
+        s.prefill(list(range(5, 5 + 200)))
+    finally:
+        handle.remove()
+    assert len(seen) == 13 and len(set(seen)) == 1  # 13 chunks, one buffer: never regrown
+    storage = {layer.keys.untyped_storage().data_ptr() for layer in s.cache.layers}
+    assert len(storage) == 1 and any(e.buf.untyped_storage().data_ptr() in storage for e in arena._pool)
+
+
 def test_a_view_or_array_of_a_buffer_keeps_it_out_of_the_pool():
     buf = arena.kv_buffer(2, 3, 4, 10, torch.float32, "cpu")
     view = buf[1, 0]

@@ -46,13 +46,23 @@ class _Buffered:
             self._kbuf = self._vbuf = None
         length = self.keys.shape[-2] if self.keys.dim() == 4 else 0
         need = length + key_states.shape[-2]
-        if self._kbuf is None or need > self._kbuf.shape[-2] or self.keys.data_ptr() != self._kbuf.data_ptr():
+        if self._kbuf is None or need > self._kbuf.shape[-2] or not self._holds_keys():
             self._grow(key_states, length, max(need, 2 * length, 256))
         self._kbuf[:, :, length:need].copy_(key_states)
         self._vbuf[:, :, length:need].copy_(value_states)
         self.keys = self._kbuf[:, :, :need]
         self.values = self._vbuf[:, :, :need]
         return self.keys, self.values
+
+    def _holds_keys(self) -> bool:
+        """Whether ``keys`` is still the start of ``_kbuf`` (nothing replaced it). Compared by storage and
+        offset: an empty view's ``data_ptr()`` is 0, which made a buffer ``reserve`` attached to a fresh
+        cache look foreign, so its first chunk regrew one of its own and dropped the reserved one."""
+        k, buf = self.keys, self._kbuf
+        return (
+            k.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+            and k.storage_offset() == buf.storage_offset()
+        )
 
     def _grow(self, like: torch.Tensor, length: int, capacity: int) -> None:
         b, h, _, d = like.shape
