@@ -81,7 +81,9 @@ def open_session(
     block_store = open_store(opts.store, opts.store_budget)
     startup.stamp("load")
     # Imports torch and transformers too, inside the load's collector-off window (cli.startup).
-    lm = ui.load_model(opts.model, opts.device, opts.dtype, check_layout=session_config.check_layout)
+    lm = ui.load_model(
+        opts.model, opts.device, opts.dtype, check_layout=session_config.check_layout, ctx_size=opts.ctx_size
+    )
     startup.stamp("loaded")
     from kvsnap.engine.session import Session
 

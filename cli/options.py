@@ -32,6 +32,15 @@ TopP = Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling ma
 TopK = Annotated[int, typer.Option(min=0, help="Sample among the k most likely tokens (0 = off).")]
 Seed = Annotated[int | None, typer.Option(help="Random seed for reproducible sampling.")]
 ChunkSize = Annotated[int, typer.Option(min=1, help="Prefill the uncached suffix in chunks of this many tokens.")]
+CtxSize = Annotated[
+    int | None,
+    typer.Option(
+        min=1,
+        help="Most tokens a session holds, prompt and answer (default: the model's context). A longer prompt "
+        "is refused and generation stops there; chat, serve and run --batch reserve that much KV memory "
+        "up front on the CPU.",
+    ),
+]
 Device = Annotated[str, typer.Option(help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.")]
 Dtype = Annotated[str, typer.Option(help="auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16 or float16.")]
 BlockSize = Annotated[int, typer.Option(min=1, help="Tokens per snapshot block (the unit of hashing and storage).")]
@@ -125,6 +134,7 @@ class SessionOptions:
     top_k: int | None
     seed: int | None
     chunk_size: int
+    ctx_size: int | None
     block_size: int
     codec: str
     kv_dtype: str | None
@@ -190,6 +200,7 @@ def _shared(sampling: SamplingParams, model_defaults: bool) -> list[tuple[str, A
         top_k,
         ("seed", Seed, None),
         ("chunk_size", ChunkSize, config.DEFAULT_CHUNK_SIZE),
+        ("ctx_size", CtxSize, None),
         ("namespace", Namespace, ""),
         ("store", Store, None),
         ("store_budget", StoreBudget, None),

@@ -141,9 +141,9 @@ def run(
                 ui.note(line)
         return
 
-    from kvsnap.models.load import start_packing
+    from kvsnap.models.load import preload
 
-    start_packing(session.lm)  # a batch runs many forwards: worth 0.2 s of packing once
+    preload(session.lm)  # a batch runs many forwards: worth 0.2 s of packing once
     failed = 0
     for item in parse_jobs(lines, defaults):
         if isinstance(item, tuple):

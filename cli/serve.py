@@ -61,6 +61,7 @@ def serve(
     namespace: o.Namespace = "",
     block_size: o.BlockSize = config.DEFAULT_BLOCK_SIZE,
     chunk_size: o.ChunkSize = config.DEFAULT_CHUNK_SIZE,
+    ctx_size: o.CtxSize = None,
     device: o.Device = config.DEFAULT_DEVICE,
     dtype: o.Dtype = config.DEFAULT_DTYPE,
 ) -> None:
@@ -100,7 +101,7 @@ def serve(
     try:
         store_path = None if no_store else (store or kvsnap_home() / "store")
         block_store = open_store(store_path, store_budget) if store_path is not None else None
-        lm = ui.load_model(model, device, dtype, check_layout=session_config.check_layout)
+        lm = ui.load_model(model, device, dtype, check_layout=session_config.check_layout, ctx_size=ctx_size)
         from kvsnap.models.load import preload
 
         preload(lm)  # requests render chat templates and run many forwards

@@ -95,7 +95,7 @@ def status(message: str) -> Iterator[Any]:
         yield lambda msg: st.update(msg)
 
 
-def load_model(spec: str, device: str, dtype: str, check_layout=None):
+def load_model(spec: str, device: str, dtype: str, check_layout=None, ctx_size: int | None = None):
     from cli import startup
     from kvsnap.models import load_model, resolve_model
 
@@ -104,7 +104,13 @@ def load_model(spec: str, device: str, dtype: str, check_layout=None):
         resolve_model(spec, progress=update, install=True)
         with startup.collector_off():
             return load_model(
-                spec, device=device, dtype=dtype, progress=update, install=True, check_layout=check_layout
+                spec,
+                device=device,
+                dtype=dtype,
+                progress=update,
+                install=True,
+                check_layout=check_layout,
+                ctx_size=ctx_size,
             )
 
 

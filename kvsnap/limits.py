@@ -73,15 +73,29 @@ def check_layout(layout: KVLayout, block_size: int) -> None:
         )
 
 
-def check_tokens(num_tokens: int, context: int | None = None) -> None:
-    """Refuse a prompt longer than the model's context (``context`` positions) or than a snapshot holds."""
-    limit, what = token_limit(context)
+MODEL_CONTEXT = "the model's context"
+ASKED_CONTEXT = "the context size asked for"  # --ctx-size / load_model(ctx_size=...)
+
+
+def check_tokens(num_tokens: int, context: int | None = None, source: str = MODEL_CONTEXT) -> None:
+    """Refuse a prompt longer than the context (``context`` positions, set by ``source``) or than a snapshot holds."""
+    limit, what = token_limit(context, source)
     if num_tokens > limit:
         raise ConfigError(f"the prompt is {num_tokens:,} tokens, more than {what} ({limit:,})")
 
 
-def token_limit(context: int | None) -> tuple[int, str]:
+def token_limit(context: int | None, source: str = MODEL_CONTEXT) -> tuple[int, str]:
     """The most tokens a session may hold (prompt and answer), and what sets it."""
     if context is not None and context <= MAX_TOKENS:
-        return context, "the model's context"
+        return context, source
     return MAX_TOKENS, "a snapshot holds"
+
+
+def check_ctx_size(ctx_size: int, model_context: int | None) -> int:
+    """A context size asked for (``--ctx-size``), checked against the model's and a snapshot's limits."""
+    if isinstance(ctx_size, bool) or not isinstance(ctx_size, int) or ctx_size < 1:
+        raise ConfigError(f"the context size must be a positive number of tokens, not {ctx_size!r}")
+    limit, what = token_limit(model_context)
+    if ctx_size > limit:
+        raise ConfigError(f"a context of {ctx_size:,} tokens is more than {what} ({limit:,})")
+    return ctx_size

@@ -234,6 +234,57 @@ def test_batch_rows_past_the_context_end_or_are_refused(short_model, tmp_path):
     assert "error" not in out["ok"]
 
 
+# -- a context size asked for (--ctx-size) ----------------------------------------------------------
+
+
+def test_ctx_size_caps_the_context_below_the_models(model, short_model, tmp_path):
+    """--ctx-size N: the model's 4,096 positions cut to N; a longer prompt refused, generation stopped
+    there, in words naming what set the limit; more than the model's own context is refused."""
+    long = invoke("run", *base(model), "--ctx-size", "48", "--prompt", DOC)
+    assert long.exit_code == 1 and "more than the context size asked for (48)" in long.output
+    prompt = "The quick brown fox jumps over the lazy dog."
+    args = [
+        "run",
+        *base(model),
+        "--ctx-size",
+        "48",
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        "500",
+        "--temperature",
+        "0",
+    ]
+    row = json.loads(invoke(*args, "--json").stdout)
+    assert row["stop_reason"] == "context" and row["prompt_tokens"] + row["new_tokens"] == 48
+    too_big = invoke("run", *base(short_model), "--ctx-size", "49", "--prompt", "hi")
+    assert too_big.exit_code == 1 and "a context of 49 tokens is more than the model's context (48)" in too_big.output
+    assert invoke("run", *base(model), "--ctx-size", "0", "--prompt", "hi").exit_code != 0
+
+
+def test_ctx_size_reserves_touched_kv_memory_that_the_first_session_takes(model):
+    from kvsnap.config import SamplingParams
+    from kvsnap.engine import arena
+    from kvsnap.engine.session import Session
+    from kvsnap.models import load_model
+    from kvsnap.models.load import reserve_context
+
+    assert reserve_context(load_model(model, device="cpu")) is None  # nothing asked for: nothing reserved
+    lm = load_model(model, device="cpu", ctx_size=300)
+    assert (lm.max_positions, lm.context_source) == (300, limits.ASKED_CONTEXT)
+    arena.clear()
+    reserve_context(lm).join()
+    (entry,) = arena._pool
+    assert entry.buf.shape[3] >= 300 and arena.pooled_bytes()[1] == entry.buf.numel() * entry.buf.element_size()
+    s = Session(lm)
+    s.run(list(range(5, 25)), SamplingParams(max_new_tokens=2, temperature=0))
+    layer = s.cache.layers[0]
+    assert layer._kbuf.untyped_storage().data_ptr() == entry.buf.untyped_storage().data_ptr()
+    del s, layer
+    with pytest.raises(ConfigError, match="positive"):
+        limits.check_ctx_size(0, 4096)
+
+
 def test_context_follows_rope_scaling():
     """A model whose RoPE scaling stretches its context must not be refused at the unstretched length."""
     from transformers import LlamaConfig, Qwen2Config

@@ -315,3 +315,15 @@ def _config():
     from kvsnap.config import SessionConfig
 
     return SessionConfig(block_size=BS, chunk_size=32)
+
+
+def test_a_context_size_asked_for_bounds_what_a_service_takes(tiny_model_dir):
+    from kvsnap.models import load_model
+
+    lm = load_model(str(tiny_model_dir("llama")), device="cpu", ctx_size=64)
+    service = Service(lm, _config())
+    with pytest.raises(ServeError) as info:
+        service.complete(chat("0123456789 " * 20))
+    assert info.value.code == "context_length_exceeded" and "the context size asked for (64)" in info.value.message
+    done = service.complete(chat("Hi", max_tokens=500, temperature=0))
+    assert done.finish_reason == "length" and done.prompt_tokens + done.completion_tokens == 64

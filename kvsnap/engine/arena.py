@@ -93,6 +93,21 @@ def kv_buffer(num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, 
         return buf
 
 
+def warm(num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype) -> bool:
+    """Pool a CPU buffer for ``capacity`` tokens with its pages touched now (a process's context size,
+    ``--ctx-size``): the next restore, prefill or fresh session takes it, no page faults on its path.
+    False where it would not be pooled (pooling off, or larger than the pool's budget)."""
+    per_token = num_layers * 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    if _use_count is None or not ENABLED or capacity * per_token > MAX_POOLED_BYTES:
+        return False
+    buf = kv_buffer(num_layers, num_kv_heads, head_dim, capacity, dtype, "cpu")
+    buf.view(-1).view(torch.uint8).zero_()
+    with _lock:
+        pooled = any(entry.buf is buf for entry in _pool)
+    del buf
+    return pooled
+
+
 def adopt(raw: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """``raw`` (uint8 ``[layers, 2, kv_heads, capacity, head_dim * itemsize]``, filled elsewhere: a
     prefetch) as a ``dtype`` KV buffer, pooled like the others once its cache lets it go."""

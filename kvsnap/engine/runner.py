@@ -53,7 +53,7 @@ class Runner:
     ) -> torch.Tensor | None:
         """Run the planned ``[start, end)`` chunks of ``token_ids`` in order; returns the last logits."""
         if chunks:  # no position past the model's context (Session.run refuses such a prompt before any work)
-            limits.check_tokens(len(token_ids), self.lm.max_positions)
+            limits.check_tokens(len(token_ids), self.lm.max_positions, self.lm.context_source)
         logits = None
         done = 0
         total = sum(end - start for start, end in chunks)
@@ -100,7 +100,7 @@ def generate(
     reason = "none"
     first_at = None
     pos = start  # where the next sampled token sits
-    context, _ = limits.token_limit(lm.max_positions)
+    context, _ = limits.token_limit(lm.max_positions, lm.context_source)
     try:
         for step in range(params.max_new_tokens):
             if pos >= context:

@@ -294,7 +294,7 @@ class Session:
         written to the store. ``prompt_messages``: the chat messages ``prompt_ids`` render (explain uses them).
         """
         check_choice("on_mismatch", on_mismatch, ON_MISMATCH)
-        limits.check_tokens(len(prompt_ids), self.lm.max_positions)  # before any restore or prefill work
+        limits.check_tokens(len(prompt_ids), self.lm.max_positions, self.lm.context_source)  # before any work
         t0 = time.perf_counter()
         self.last_reuse = None
         restored = None

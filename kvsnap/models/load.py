@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvsnap import limits
 from kvsnap.config import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MODEL
 from kvsnap.errors import ConfigError, ModelError
 from kvsnap.models.fingerprint import config_file, fingerprint_of, fingerprint_parts
@@ -68,7 +70,8 @@ class LoadedModel:
     cache_kwarg: str
     eos_token_ids: frozenset[int]
     fingerprint_parts: dict[str, str] = field(default_factory=dict)
-    max_positions: int | None = None  # the model's context in tokens (None: its config states none)
+    max_positions: int | None = None  # the context in tokens (None: the config states none and none was asked for)
+    context_source: str = limits.MODEL_CONTEXT  # or limits.ASKED_CONTEXT: a ctx_size set max_positions
     # Sampling settings the model ships in generation_config.json (temperature, top_p, top_k), if any.
     sampling_defaults: dict[str, float | int] = field(default_factory=dict)
     # Seconds each step of ``load_model`` took, in order (imports, config, model class, weights, ...):
@@ -154,10 +157,27 @@ def forward_kind(lm: LoadedModel) -> str:
     return f"{lm.backend} forward, {'packed weights' if packing.done else 'packing weights'}"
 
 
+def reserve_context(lm: LoadedModel) -> threading.Thread | None:
+    """Where a context size was asked for (``ctx_size``) on the CPU: allocate and touch a pooled KV
+    buffer that holds it, in a background thread (``kvsnap.engine.arena.warm``). None where not."""
+    if lm.context_source != limits.ASKED_CONTEXT or lm.max_positions is None or lm.device.type != "cpu":
+        return None
+    from kvsnap.engine import arena
+    from kvsnap.engine.cache import TORCH_DTYPES
+
+    layout = lm.layout
+    args = (layout.num_layers, layout.num_kv_heads, layout.head_dim, lm.max_positions, TORCH_DTYPES[layout.dtype])
+    thread = threading.Thread(target=arena.warm, args=args, name="kvsnap-arena", daemon=True)
+    thread.start()
+    return thread
+
+
 def preload(lm: LoadedModel) -> None:
-    """What a long-lived process (a chat, a server) starts in the background once the model is loaded."""
+    """What a process that runs many forwards (a chat, a server, a batch) starts in the background once
+    the model is loaded: the chat template's tokenizer, packed weights, the KV memory of ``ctx_size``."""
     preload_chat_template(lm)
     start_packing(lm)
+    reserve_context(lm)
 
 
 def json_object(path: Path, limit: int = 16 << 20) -> dict[str, Any] | None:
@@ -185,11 +205,15 @@ def load_model(
     progress: Progress = noop,
     install: bool = False,
     check_layout: Callable[[KVLayout], object] | None = None,
+    ctx_size: int | None = None,
 ) -> LoadedModel:
     """Load a supported model with its tokenizer, ready for a ``Session``.
 
     ``check_layout`` (e.g. ``SessionConfig.check_layout``) sees the cache layout before the weights
-    load, so a setting the model cannot take fails in a second, not after the load.
+    load, so a setting the model cannot take fails in a second, not after the load. ``ctx_size``
+    caps the tokens a session holds (prompt and answer) below the model's context (``--ctx-size``):
+    a longer prompt is refused, generation stops there, and a process that reserves KV memory
+    (``preload``) reserves that much.
     """
     timings: dict[str, float] = {}
     mark = _Stopwatch(timings)
@@ -215,6 +239,9 @@ def load_model(
     layout = cache.layout_of(config, torch_dtype)
     if check_layout is not None:
         check_layout(layout)
+    context = max_positions_of(config)
+    if ctx_size is not None:
+        context = limits.check_ctx_size(ctx_size, context)
     progress(f"loading {spec}")
     model = None
     if use_native and native_config.unsupported_reason(config, dev) is None:
@@ -259,7 +286,8 @@ def load_model(
         layout=layout,
         cache_kwarg=cache.forward_cache_kwarg(model),
         eos_token_ids=frozenset(eos),
-        max_positions=max_positions_of(config),
+        max_positions=context,
+        context_source=limits.MODEL_CONTEXT if ctx_size is None else limits.ASKED_CONTEXT,
         sampling_defaults=sampling_defaults_of(folder),
         load_timings=timings,
         backend="native" if isinstance(model, native.NativeCausalLM) else "transformers",

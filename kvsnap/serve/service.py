@@ -138,7 +138,7 @@ class Service:
         if wanted is None:
             wanted = base.max_new_tokens if req.kind == CHAT else COMPLETION_MAX_TOKENS
         # Generation stops at the context anyway ("length"); the cap keeps a huge max_tokens valid.
-        context, _ = limits.token_limit(self.lm.max_positions)
+        context, _ = limits.token_limit(self.lm.max_positions, self.lm.context_source)
         wanted = min(wanted, max(0, context - prompt_tokens))
         try:
             return SamplingParams(max_new_tokens=wanted, seed=req.seed, stop=req.stop, **chosen)
@@ -164,7 +164,7 @@ class Service:
             raise bad(f"the model's chat template cannot render these messages: {first}", req.param) from None
         if not ids:
             raise bad("the prompt is empty", req.param)
-        limit, what = limits.token_limit(self.lm.max_positions)
+        limit, what = limits.token_limit(self.lm.max_positions, self.lm.context_source)
         if len(ids) > limit:
             raise bad(
                 f"the prompt is {len(ids):,} tokens, more than {what} ({limit:,})",
