@@ -239,9 +239,8 @@ def load_model(
     layout = cache.layout_of(config, torch_dtype)
     if check_layout is not None:
         check_layout(layout)
-    context = max_positions_of(config)
-    if ctx_size is not None:
-        context = limits.check_ctx_size(ctx_size, context)
+    if ctx_size is not None:  # before the weights load, like the layout
+        limits.check_ctx_size(ctx_size, max_positions_of(config))
     progress(f"loading {spec}")
     model = None
     if use_native and native_config.unsupported_reason(config, dev) is None:
@@ -286,7 +285,7 @@ def load_model(
         layout=layout,
         cache_kwarg=cache.forward_cache_kwarg(model),
         eos_token_ids=frozenset(eos),
-        max_positions=context,
+        max_positions=max_positions_of(config) if ctx_size is None else ctx_size,
         context_source=limits.MODEL_CONTEXT if ctx_size is None else limits.ASKED_CONTEXT,
         sampling_defaults=sampling_defaults_of(folder),
         load_timings=timings,
