@@ -94,7 +94,11 @@ def chat(
         raise ConfigError("--store-session needs --store DIR")
     opts.sampling()  # a bad flag is refused before the model loads
     session = open_session(
-        opts, session_config, reuses=resume is not None, prefetch=resume if resume and resume.exists() else None
+        opts,
+        session_config,
+        reuses=resume is not None,
+        prefetch=resume if resume and resume.exists() else None,
+        many_forwards=True,
     )
     params = opts.sampling(model_defaults=session.lm.sampling_defaults)
     autosave = save or resume

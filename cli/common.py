@@ -67,12 +67,14 @@ def open_session(
     *,
     reuses: bool = False,
     prefetch: Path | None = None,
+    many_forwards: bool = False,
 ):
     """The Session ``chat`` and ``run`` work with: settings checked, the block store opened, then the model
     loaded. ``reuses``: a stored prefix may be loaded (--resume, --store, a batch), so ``--reuse auto``
     needs this machine's cost model: measured now, once, with progress, rather than silently mid-request.
     ``prefetch``: a snapshot the session will restore, read and decoded in a thread while the model loads
-    (kvsnap.format.prefetch; the restore claims it only if it is still that file)."""
+    (kvsnap.format.prefetch; the restore claims it only if it is still that file). ``many_forwards``
+    (a chat, a batch): reserve the KV memory of ``--ctx-size`` now, unless a prefetch already holds it."""
     session_config = session_config or opts.session_config()
     if prefetch is not None and not str(opts.device).startswith(("cuda", "mps")):
         from kvsnap.format import prefetch as prefetching
@@ -86,6 +88,11 @@ def open_session(
     )
     startup.stamp("loaded")
     from kvsnap.engine.session import Session
+
+    if many_forwards and prefetch is None:
+        from kvsnap.models.load import reserve_context
+
+        reserve_context(lm)
 
     if session_config.reuse == "auto" and (reuses or block_store is not None):
         from kvsnap.engine.calibrate import cost_model

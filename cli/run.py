@@ -90,6 +90,7 @@ def run(
         session_config,
         reuses=resume is not None or batch is not None,
         prefetch=resume if batch is None and resume is not None and resume.exists() else None,
+        many_forwards=batch is not None,
     )
     startup.stamp("session")
 

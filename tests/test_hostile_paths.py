@@ -506,6 +506,19 @@ def test_a_model_folder_holding_a_fifo_or_device_is_refused_naming_the_file(mode
     assert str(target) in str(err.value) and "not a regular file" in str(err.value)
 
 
+def test_a_fifo_among_the_extra_chat_templates_is_refused(model, tmp_path):
+    """transformers reads every file of additional_chat_templates/: a FIFO there would hang it."""
+    from kvsnap.errors import ModelError
+    from kvsnap.models.resolve import resolve_model
+
+    folder = tmp_path / "model"
+    shutil.copytree(model, folder)
+    (folder / "additional_chat_templates").mkdir()
+    os.mkfifo(folder / "additional_chat_templates" / "tool_use.jinja")
+    with pytest.raises(ModelError, match="tool_use.jinja: model file is a FIFO"):
+        within(30, lambda: resolve_model(str(folder)))
+
+
 def test_an_oversized_small_json_file_is_refused_and_links_to_regular_files_are_fine(model, tmp_path, kvsnap_home):
     from kvsnap.errors import ModelError
     from kvsnap.models.resolve import SMALL_JSON_LIMIT, resolve_model

@@ -269,11 +269,11 @@ def test_ctx_size_reserves_touched_kv_memory_that_the_first_session_takes(model)
     from kvsnap.models import load_model
     from kvsnap.models.load import reserve_context
 
-    assert reserve_context(load_model(model, device="cpu")) is None  # nothing asked for: nothing reserved
+    assert reserve_context(load_model(model, device="cpu")) is False  # nothing asked for: nothing reserved
     lm = load_model(model, device="cpu", ctx_size=300)
     assert (lm.max_positions, lm.context_source) == (300, limits.ASKED_CONTEXT)
     arena.clear()
-    reserve_context(lm).join()
+    assert reserve_context(lm)
     (entry,) = arena._pool
     assert entry.buf.shape[3] >= 300 and arena.pooled_bytes()[1] == entry.buf.numel() * entry.buf.element_size()
     s = Session(lm)

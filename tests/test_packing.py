@@ -35,7 +35,7 @@ def _packed(lm) -> list[bool]:
 @pytest.mark.parametrize("arch", NATIVE_ARCHS)
 def test_packed_forward_equals_the_unpacked_one(arch, tiny_model_dir):
     plain, packed = _load(tiny_model_dir, arch), _load(tiny_model_dir, arch)
-    assert start_packing(packed) and not any(_packed(packed))  # nothing is set before it is all done
+    assert start_packing(packed)
     (a_logits, a_kv), (b_logits, b_kv) = _run(plain, IDS), _run(packed, IDS)
     # Every linear but the lm_head (one row a forward: packing buys nothing there) runs packed.
     assert _packed(packed) == [True] * (len(_packed(packed)) - 1) + [False]
@@ -85,6 +85,40 @@ def test_weights_are_packed_only_where_it_can_be_done(tiny_model_dir, monkeypatc
     theirs = _load(tiny_model_dir)
     assert theirs.backend == "transformers" and not start_packing(theirs)
     assert forward_kind(theirs) == "transformers forward"
+
+
+def test_no_forward_sees_a_model_half_packed(tiny_model_dir, monkeypatch):
+    """The layers switch all at once, when every weight is packed; a forward started meanwhile waits."""
+    import threading
+
+    gate, real_pack, calls = threading.Event(), packing.pack, []
+
+    def slow_pack(weight):
+        calls.append(1)
+        if len(calls) == 3:  # the probe, then the first layer's weights: hold the rest back
+            gate.wait(30)
+        return real_pack(weight)
+
+    monkeypatch.setattr(packing, "pack", slow_pack)
+    lm = _load(tiny_model_dir)
+    assert start_packing(lm)
+    while len(calls) < 3:
+        threading.Event().wait(0.01)
+    assert not any(_packed(lm)) and not lm.model.packing.done  # some weights packed, none switched
+    result: dict[str, object] = {}
+    forward = threading.Thread(target=lambda: result.setdefault("out", _run(lm, IDS)))
+    forward.start()
+    forward.join(0.5)
+    assert forward.is_alive()  # waiting for the packing, not running on a mix
+    gate.set()
+    forward.join(30)
+    assert "out" in result and all(_packed(lm)[:-1])
+
+
+def test_a_packed_copy_over_the_memory_budget_is_not_made(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(packing, "MAX_PACKED_BYTES", 1000)
+    lm = _load(tiny_model_dir)
+    assert not start_packing(lm) and "over the" in packing.unsupported_reason(lm.model)
 
 
 @pytest.mark.parametrize("failure", ["raises", "disagrees"])

@@ -73,7 +73,10 @@ def calibrate(lm: LoadedModel, *, progress: Callable[[str], None] | None = None)
     from kvsnap.engine.session import Session
 
     say = progress or (lambda _msg: None)
-    limit = lm.max_positions or max(LENGTHS)
+    from kvsnap.models.load import max_positions_of
+
+    # The model's own context, not a --ctx-size: the cost model is kept per machine and model.
+    limit = max_positions_of(lm.config) or max(LENGTHS)
     lengths = [n for n in LENGTHS if n < limit] or [max(limit // 2, 1)]
     vocab = int(getattr(lm.config, "vocab_size", 0) or len(lm.tokenizer))
     ids = [(i * 7919 + 13) % vocab for i in range(max(lengths))]

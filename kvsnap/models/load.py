@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -157,27 +156,27 @@ def forward_kind(lm: LoadedModel) -> str:
     return f"{lm.backend} forward, {'packed weights' if packing.done else 'packing weights'}"
 
 
-def reserve_context(lm: LoadedModel) -> threading.Thread | None:
+def reserve_context(lm: LoadedModel) -> bool:
     """Where a context size was asked for (``ctx_size``) on the CPU: allocate and touch a pooled KV
-    buffer that holds it, in a background thread (``kvsnap.engine.arena.warm``). None where not."""
+    buffer that holds it now (``kvsnap.engine.arena.warm``), for a process that runs many forwards,
+    before its first restore or prefill, which then takes it. False where nothing was reserved.
+
+    Not in a thread: a first request racing the touching would allocate a second buffer of its own."""
     if lm.context_source != limits.ASKED_CONTEXT or lm.max_positions is None or lm.device.type != "cpu":
-        return None
+        return False
     from kvsnap.engine import arena
     from kvsnap.engine.cache import TORCH_DTYPES
 
     layout = lm.layout
-    args = (layout.num_layers, layout.num_kv_heads, layout.head_dim, lm.max_positions, TORCH_DTYPES[layout.dtype])
-    thread = threading.Thread(target=arena.warm, args=args, name="kvsnap-arena", daemon=True)
-    thread.start()
-    return thread
+    dtype = TORCH_DTYPES[layout.dtype]
+    return arena.warm(layout.num_layers, layout.num_kv_heads, layout.head_dim, lm.max_positions, dtype)
 
 
 def preload(lm: LoadedModel) -> None:
     """What a process that runs many forwards (a chat, a server, a batch) starts in the background once
-    the model is loaded: the chat template's tokenizer, packed weights, the KV memory of ``ctx_size``."""
+    the model is loaded: the chat template's tokenizer and packed weights."""
     preload_chat_template(lm)
     start_packing(lm)
-    reserve_context(lm)
 
 
 def json_object(path: Path, limit: int = 16 << 20) -> dict[str, Any] | None:

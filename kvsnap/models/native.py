@@ -85,7 +85,8 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout (kvsnap.models.packing)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        # The packed copy is of the float32 CPU weight: a model moved or cast since runs its own weight.
+        if self.packed is not None and x.dtype == torch.float32 and x.device.type == "cpu":
             return packing.linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -143,7 +144,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(k, v, self.index)
         # One query over the cache, or a first chunk (causal, no mask): what transformers' SDPA path
-        # runs; a later chunk: the bool mask kvsnap's GQA attention runs (kvsnap/engine/attention.py).
+        # runs; a later chunk: kvsnap's GQA attention's mask (kvsnap/engine/attention.py), made additive.
         causal = mask is None and q.shape[2] > 1
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=self.scaling, enable_gqa=self.groups > 1
@@ -230,9 +231,11 @@ class NativeCausalLM(nn.Module):
 
     def start_packing(self) -> bool:
         """Pack the linear weights in the background (``kvsnap.models.packing``); forwards from now on wait
-        for it and run over them. False where they are not packed."""
-        if self.packing is None and packing.unsupported_reason(self) is None:
-            self.packing = packing.Packing(self)
+        for it and run over them. False where no packing was started (``packing.unsupported_reason``);
+        a packing that fails leaves the model unpacked and says why in ``self.packing.error``."""
+        with packing.STARTING:
+            if self.packing is None and packing.unsupported_reason(self) is None:
+                self.packing = packing.Packing(self)
         return self.packing is not None
 
     def get_input_embeddings(self) -> Embedding:

@@ -12,7 +12,10 @@ to ~1e-5), so a model's forwards either all use them or none do: ``start`` packs
 background thread and sets them all at once, and the model's forward waits for that thread before
 it runs (``NativeCausalLM.forward``). Only the native forward's float32 weights on the CPU are packed;
 a failure anywhere (an op this torch build lacks, a result that disagrees with ``F.linear``) leaves the
-model as it was, with the reason in ``error``. ``KVSNAP_PACK=0`` turns packing off.
+model as it was, with the reason in ``error``. ``KVSNAP_PACK=0`` turns packing off. The packed copy
+is new memory (a cast model holds its weights in RAM too), so it is bounded (``MAX_PACKED_BYTES``). It
+is of the weights as they are when packing starts: pack a model once it is loaded and placed, never
+one whose weights will change (a model moved or cast since runs its own weights).
 """
 
 from __future__ import annotations
@@ -25,6 +28,19 @@ import torch
 import torch.nn.functional as F
 
 ENABLED = os.environ.get("KVSNAP_PACK", "1") != "0"
+STARTING = threading.Lock()  # two threads starting one model's packing start one
+
+
+def _budget() -> int:
+    # At most a quarter of RAM and 4 GiB, which also bounds the reorder (~1 GB/s here) a forward waits on.
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 30
+    return min(4 << 30, ram // 4)
+
+
+MAX_PACKED_BYTES = int(os.environ.get("KVSNAP_PACK_BYTES") or 0) or _budget()
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -38,6 +54,9 @@ def unsupported_reason(model: Any) -> str | None:
         return "packs float32 weights on the CPU only"
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return "this torch build has no oneDNN linear"
+    size = sum(m.weight.numel() * m.weight.element_size() for m in model.packable_linears())
+    if size > MAX_PACKED_BYTES:
+        return f"a packed copy of {size / 2**30:.1f} GiB is over the {MAX_PACKED_BYTES / 2**30:.1f} GiB allowed"
     return None
 
 

@@ -149,8 +149,20 @@ def check_model_files(folder: Path) -> None:
 
     kvsnap bounds its own reads of a model folder, but transformers, tokenizers and safetensors
     read what they find: a FIFO would hang them, ``/dev/zero`` never end, a 10 GB ``config.json``
-    fill memory. This says which file, in one line, before anything reads it.
+    fill memory. This says which file, in one line, before anything reads it. The chat-template
+    subfolders transformers reads are checked too.
     """
+    for name in _check_entries(folder):
+        if name in _TEMPLATE_FOLDERS:
+            _check_entries(folder / name)
+
+
+# Subfolders of chat templates that transformers' tokenizers read every file of.
+_TEMPLATE_FOLDERS = ("additional_chat_templates", "chat_templates")
+
+
+def _check_entries(folder: Path) -> list[str]:
+    """Check ``folder``'s loader-read files (see ``check_model_files``); returns its subfolders' names."""
     from kvsnap.paths import kind_of
 
     try:
@@ -160,20 +172,23 @@ def check_model_files(folder: Path) -> None:
         raise ModelError(f"{folder}: cannot list the model folder ({exc.strerror or exc})") from None
     if len(names) > MAX_FOLDER_ENTRIES:
         raise ModelError(f"{folder}: more than {MAX_FOLDER_ENTRIES:,} entries; not a model folder")
+    folders = []
     for name in sorted(names):
-        if not name.endswith(_MODEL_FILE_SUFFIXES):
-            continue
         path = folder / name
         try:
             st = os.stat(path)
         except OSError:
             continue  # a broken link: the loader that needs it says so
         if stat.S_ISDIR(st.st_mode):
+            folders.append(name)
+            continue
+        if not name.endswith(_MODEL_FILE_SUFFIXES):
             continue
         if not stat.S_ISREG(st.st_mode):
             raise ModelError(f"{path}: model file is {kind_of(st.st_mode)}, not a regular file")
         if name in _SMALL_JSON and st.st_size > SMALL_JSON_LIMIT:
             raise ModelError(f"{path}: model file larger than {SMALL_JSON_LIMIT >> 20} MiB")
+    return folders
 
 
 def convert_gguf(gguf: Path, folder: Path, *, progress: Progress = noop) -> Path:
