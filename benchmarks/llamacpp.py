@@ -32,7 +32,7 @@ from benchmarks.common import describe, document, machine, model_arguments, tabl
 from kvsnap.config import SamplingParams  # noqa: E402
 from kvsnap.engine.session import Session  # noqa: E402
 from kvsnap.models import load_model  # noqa: E402
-from kvsnap.models.load import forward_kind, start_packing  # noqa: E402
+from kvsnap.models.prepare import forward_kind, start_packing  # noqa: E402
 
 SUFFIX = 32
 ONE = SamplingParams(max_new_tokens=1, temperature=0)

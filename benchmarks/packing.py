@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import describe, document, machine, model_arguments, table, write_json  # noqa: E402
 from kvsnap.engine.session import Session  # noqa: E402
 from kvsnap.models import load_model  # noqa: E402
-from kvsnap.models.load import forward_kind, start_packing  # noqa: E402
+from kvsnap.models.prepare import forward_kind, start_packing  # noqa: E402
 
 SUFFIX = 32
 LINEAR_OPS = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise")

@@ -125,7 +125,7 @@ def chat(
     target = AutosaveTarget(autosave, seen=seen) if autosave is not None else None
     keeping = Keeping(target, opts.store_session, force, BackgroundSaver(session))
     _say_where(keeping, opts.store)
-    from kvsnap.models.load import preload
+    from kvsnap.models.prepare import preload
 
     preload(session.lm)  # the chat template's tokenizer and packed weights, while the user types
     if interactive:

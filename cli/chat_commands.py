@@ -34,7 +34,7 @@ def reset(session, keeping: Keeping) -> None:
 
 
 def stats(session, keeping: Keeping) -> None:
-    from kvsnap.models.load import forward_kind
+    from kvsnap.models.prepare import forward_kind
 
     layout = session.lm.layout
     turns = sum(1 for m in (session.messages or []) if m["role"] == "user")

@@ -90,7 +90,7 @@ def open_session(
     from kvsnap.engine.session import Session
 
     if many_forwards and prefetch is None:
-        from kvsnap.models.load import reserve_context
+        from kvsnap.models.prepare import reserve_context
 
         reserve_context(lm)
 

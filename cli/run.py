@@ -142,7 +142,7 @@ def run(
                 ui.note(line)
         return
 
-    from kvsnap.models.load import preload
+    from kvsnap.models.prepare import preload
 
     preload(session.lm)  # a batch runs many forwards: worth 0.2 s of packing once
     failed = 0

@@ -102,7 +102,7 @@ def serve(
         store_path = None if no_store else (store or kvsnap_home() / "store")
         block_store = open_store(store_path, store_budget) if store_path is not None else None
         lm = ui.load_model(model, device, dtype, check_layout=session_config.check_layout, ctx_size=ctx_size)
-        from kvsnap.models.load import preload, reserve_context
+        from kvsnap.models.prepare import preload, reserve_context
 
         reserve_context(lm)  # the KV memory of --ctx-size, before the first request
         preload(lm)  # requests render chat templates and run many forwards

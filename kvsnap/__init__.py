@@ -37,7 +37,7 @@ _LAZY = {
     "load_model": "kvsnap.models",
     "resolve_model": "kvsnap.models",
     "LoadedModel": "kvsnap.models",
-    "start_packing": "kvsnap.models.load",
+    "start_packing": "kvsnap.models.prepare",
     "Session": "kvsnap.engine.session",
     "TurnResult": "kvsnap.engine.results",
     "SaveStats": "kvsnap.engine.results",

@@ -7,6 +7,7 @@ a bound is refused before any work, with the largest value that fits.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from kvsnap.errors import ConfigError
@@ -71,6 +72,16 @@ def check_layout(layout: KVLayout, block_size: int) -> None:
             f"({size_text(per_token)} of KV per token in {layout.dtype}); a block holds at most "
             f"{size_text(MAX_BLOCK_BYTES)}: use a block size of {max_block_size(per_token):,} or less"
         )
+
+
+def memory_budget() -> int:
+    """A process-wide cap for memory kvsnap keeps beyond what a session needs (pooled KV buffers, packed
+    weights): a quarter of RAM, at most 4 GiB (1 GiB where RAM cannot be read)."""
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 30
+    return min(4 << 30, ram // 4)
 
 
 MODEL_CONTEXT = "the model's context"

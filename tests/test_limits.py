@@ -267,7 +267,7 @@ def test_ctx_size_reserves_touched_kv_memory_that_the_first_session_takes(model)
     from kvsnap.engine import arena
     from kvsnap.engine.session import Session
     from kvsnap.models import load_model
-    from kvsnap.models.load import reserve_context
+    from kvsnap.models.prepare import reserve_context
 
     assert reserve_context(load_model(model, device="cpu")) is False  # nothing asked for: nothing reserved
     lm = load_model(model, device="cpu", ctx_size=300)

@@ -17,7 +17,7 @@ from test_native import NATIVE_ARCHS, _run
 from kvsnap.config import SamplingParams
 from kvsnap.engine.session import Session
 from kvsnap.models import load_model, native, packing
-from kvsnap.models.load import forward_kind, start_packing
+from kvsnap.models.prepare import forward_kind, start_packing
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=6)
 IDS = list(range(3, 25))

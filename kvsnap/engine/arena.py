@@ -25,20 +25,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# Free pooled buffers beyond this are let go (oldest first); a buffer larger than it is never pooled.
-
-
-def _default_budget() -> int:
-    try:
-        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 1 << 30
-    return min(4 << 30, ram // 4)
-
+from kvsnap import limits
 
 # KVSNAP_ARENA=0 turns pooling off (every buffer fresh): for measuring what the pool buys.
 ENABLED = os.environ.get("KVSNAP_ARENA", "1") != "0"
-MAX_POOLED_BYTES = int(os.environ.get("KVSNAP_ARENA_BYTES") or 0) or _default_budget()
+# Free pooled buffers beyond this are let go (oldest first); a buffer larger than it is never pooled.
+MAX_POOLED_BYTES = int(os.environ.get("KVSNAP_ARENA_BYTES") or 0) or limits.memory_budget()
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 

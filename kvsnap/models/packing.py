@@ -27,20 +27,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvsnap import limits
+
 ENABLED = os.environ.get("KVSNAP_PACK", "1") != "0"
 STARTING = threading.Lock()  # two threads starting one model's packing start one
-
-
-def _budget() -> int:
-    # At most a quarter of RAM and 4 GiB, which also bounds the reorder (~1 GB/s here) a forward waits on.
-    try:
-        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 1 << 30
-    return min(4 << 30, ram // 4)
-
-
-MAX_PACKED_BYTES = int(os.environ.get("KVSNAP_PACK_BYTES") or 0) or _budget()
+# The budget also bounds the reorder (~1 GB/s here) a first forward waits on.
+MAX_PACKED_BYTES = int(os.environ.get("KVSNAP_PACK_BYTES") or 0) or limits.memory_budget()
 
 
 def unsupported_reason(model: Any) -> str | None:
