@@ -10,7 +10,7 @@
 #   .venv/bin/python benchmarks/shaped_model.py --export .gpu
 #
 # then run `bash benchmarks/gpu_check.sh` there, with .whl and .gpu in the device tool's carry
-# (about 5-7 minutes there, estimated). QUICK=1 runs small sizes (a dry run on the CPU here:
+# (about 7-8 minutes there). QUICK=1 runs small sizes (a dry run on the CPU here:
 # `QUICK=1 bash benchmarks/gpu_check.sh`). Figures land in $OUT (or benchmarks/results/gpu);
 # the exit status is non-zero if a check failed.
 set -uo pipefail
@@ -35,8 +35,10 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [ -n "${QUICK:-}" ]; then
     check=512 lengths="256 1024" sweep="64 256 1024" chunk_tokens=1024 chunks="256 1024"
 else
-    # Up to the model's 8192-token context (max_position_embeddings).
-    check=4096 lengths="1024 4096 8192" sweep="64 256 1024 4096 8192" chunk_tokens=8192 chunks="512 2048 8192"
+    # Up to the model's 8192-token context (max_position_embeddings); a resume's prompt must leave
+    # room for the answer, hence 8000. resume.py's new-process runs took ~135 s a length on the H200
+    # machine (2026-12-01), the other steps ~200 s together: two lengths keep the whole under 10 min.
+    check=4096 lengths="1024 8000" sweep="64 256 1024 4096 8192" chunk_tokens=8192 chunks="512 2048 8192"
 fi
 model=/tmp/kvsnap-shaped-model
 rm -rf "$model"

@@ -1,11 +1,11 @@
 """Cold prefill vs resumed TTFT, save time and snapshot size, side by side in one run.
 
 For each prompt length: a snapshot holds the prompt minus a 32-token suffix; "resumed" restores
-it and prefills the suffix. Baselines in the same run: torch.save/torch.load of the transformers
-cache object (what one writes by hand), and the same KV written uncompressed with plain
+it and prefills the suffix. Baselines in the same run: torch.save/torch.load of the KV
+tensors (what one writes by hand), and the same KV written uncompressed with plain
 safetensors and read back (the read-speed limit for this data here).
 
-    .venv/bin/python benchmarks/resume.py                # 512 1024 2048 4096 8192
+    .venv/bin/python benchmarks/resume.py                # 512 1024 2048 4096 8000
     .venv/bin/python benchmarks/resume.py --lengths 2048 --repeats 1
 """
 
@@ -148,13 +148,14 @@ def measure(lm, n: int, repeats: int, folder: Path, model: str, dtype: str, code
     result = runs["resumed"][1][-1]
     assert result.hit_tokens == n - SUFFIX and result.prefill_tokens == SUFFIX, result
 
-    # Baselines: (a) torch.save of the cache object, what one writes by hand; (b) the same KV
+    # Baselines: (a) torch.save of the KV tensors, what one writes by hand (not of the cache
+    # object: transformers' cache class on a GPU is local to kvsnap's adapter and does not pickle); (b) the same KV
     # uncompressed in plain safetensors, read into memory (load_file maps the file lazily; clone()
     # makes it really read, as a restore must) or onto the GPU.
     pt = folder / f"doc{n}.pt"
     st = folder / f"doc{n}.safetensors"
     tensors = kv_tensors(primer.cache)
-    torch_save_s, _ = best_of(repeats, lambda: torch.save(primer.cache, pt))
+    torch_save_s, _ = best_of(repeats, lambda: torch.save(tensors, pt))
     st_save_s, _ = best_of(repeats, lambda: save_file(tensors, str(st)))
     if dev.type == "cpu":
         st_read = lambda: [t.clone() for t in load_file(str(st)).values()]  # noqa: E731
@@ -166,7 +167,7 @@ def measure(lm, n: int, repeats: int, folder: Path, model: str, dtype: str, code
             # Each reader returns what it read, so freeing it is not timed (for any of them).
             "restore": synced(dev, lambda: kept(Session(lm), "restore", snap, prefix_ids)),
             "safetensors": synced(dev, st_read),
-            "torch_load": synced(dev, lambda: torch.load(pt, weights_only=False, map_location=dev)),
+            "torch_load": synced(dev, lambda: torch.load(pt, weights_only=True, map_location=dev)),
         },
     )
     restore_s, st_load_s, torch_load_s = (reads[k][0] for k in ("restore", "safetensors", "torch_load"))
@@ -225,17 +226,27 @@ def _fresh_copy(session: Session) -> Session:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8000])
     model_arguments(parser, codec=True)
     args = parser.parse_args()
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    # A prompt that fills the whole context leaves no position for the answer's first token, so a
+    # run stops at once with no token and no TTFT: refuse such lengths before minutes of work.
+    too_long = [n for n in args.lengths if lm.max_positions is not None and n >= lm.max_positions]
+    if too_long:
+        parser.error(f"--lengths {too_long}: a prompt must be shorter than the model's context ({lm.max_positions})")
     Session(lm).run(document(lm.tokenizer, 64), ONE)  # warm up kernels and allocator
+    info = machine()
+    name = "resume" if args.codec == "shuffle-zstd" else f"resume-{args.codec}"
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.lengths:
             t0 = time.perf_counter()
             rows.append(measure(lm, n, args.repeats, Path(tmp), args.model, args.dtype, args.codec))
             print(f"  {n} tokens measured in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+            # Written after every length, so a run stopped at a time limit keeps what it measured.
+            payload = {"machine": info, "model": args.model, "dtype": lm.layout.dtype, "codec": args.codec}
+            path = write_json(name, {**payload, "rows": rows})
     ttft_cols = [
         ("tokens", "tokens", "d"),
         ("cold_ttft_s", "cold TTFT s", ".3f"),
@@ -261,7 +272,6 @@ def main() -> None:
         ("new_process_st_load_s", "safetensors read s", ".3f"),
         ("new_process_restore_vs_st_load", "restore/read", ".2f"),
     ]
-    info = machine()
     print(describe(info))
     print(
         f"model {args.model}, {lm.device}, {lm.layout.dtype}, codec {args.codec}, suffix {SUFFIX} tokens, "
@@ -276,9 +286,6 @@ def main() -> None:
     print("reading the prefix back: kvsnap restore vs the same KV uncompressed (plain safetensors) and torch.load,")
     print("in this process (runs alternate) and each in a new process (as `kvsnap run --resume` pays it)")
     print(table(rows, read_cols))
-    name = "resume" if args.codec == "shuffle-zstd" else f"resume-{args.codec}"
-    payload = {"machine": info, "model": args.model, "dtype": lm.layout.dtype, "codec": args.codec, "rows": rows}
-    path = write_json(name, payload)
     print(f"wrote {path}")
 
 

@@ -52,6 +52,18 @@ def test_resume_benchmark(bench, tiny_model_dir):
         assert row[key] > 0, key
 
 
+def test_resume_benchmark_refuses_a_length_that_leaves_no_room_for_the_answer(tiny_model_dir, kvsnap_home, tmp_path):
+    # The tiny model's context is 4096 tokens: a 4096-token prompt has no position left for the
+    # answer's first token, so no TTFT exists. Refused before any work, not after minutes of it.
+    env = {**os.environ, "KVSNAP_HOME": str(kvsnap_home), "KVSNAP_BENCH_RESULTS": str(tmp_path)}
+    args = ["--model", str(tiny_model_dir("llama")), "--lengths", "160", "4096"]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "resume.py"), *args], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 2 and "shorter than the model's context (4096)" in proc.stderr, proc.stderr[-2000:]
+    assert not list(tmp_path.iterdir())
+
+
 def test_restore_levers_benchmark_times_every_variant_per_codec(bench, tiny_model_dir):
     out, data = bench("restore_levers", "--model", str(tiny_model_dir("llama")), "--lengths", "200", "--repeats", "1")
     assert out.startswith("machine: ")
