@@ -1,10 +1,10 @@
 """What packing the linear weights for oneDNN buys (kvsnap/models/packing.py), side by side in one run.
 
 Two copies of the model in one process, one packed: per length, a 32-token suffix forward over a
-prefix already in the cache (the floor of a resume) and a chunk of a cold prefill, alternating
-between the two many times; then ``torch.profiler`` over a few suffix forwards of each, for the
-time in the linear layers (``aten::mm`` against ``mkldnn::_linear_pointwise``) and in attention.
-Also: how long the packing took and how much memory it added.
+prefix already in the cache (the floor of a resume), a chunk of a cold prefill and one-token
+decode steps, alternating between the two many times; then ``torch.profiler`` over a few suffix
+forwards of each, for the time in the linear layers (``aten::mm`` against
+``mkldnn::_linear_pointwise``) and in attention. Also: how long the packing took and how much memory it added.
 
     .venv/bin/python benchmarks/packing.py [--lengths 512 2048 4096] [--repeats 25]
 """
@@ -25,7 +25,9 @@ from kvsnap.models import load_model  # noqa: E402
 from kvsnap.models.prepare import forward_kind, start_packing  # noqa: E402
 
 SUFFIX = 32
-LINEAR_OPS = ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise")
+# aten::bmm: the unpacked lm_head's one row (attention here is the SDPA kernel, not a bmm).
+LINEAR_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise")
+DECODE_STEPS = 4
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",)
 
 
@@ -84,12 +86,17 @@ def main() -> None:
             sessions[name].prefill(ids[:start])
         suffix: dict[str, list[float]] = {name: [] for name in models}
         chunk: dict[str, list[float]] = {name: [] for name in models}
+        decode: dict[str, list[float]] = {name: [] for name in models}
         first = max(0, start - args.chunk)
         for _ in range(args.repeats + 1):  # the first round warms up: not kept
             for name, s in sessions.items():
                 t = time.perf_counter()
                 s.runner.forward(s.cache, ids[start:], start)
                 suffix[name].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                for j in range(DECODE_STEPS):  # one-row forwards, as a decode step runs them
+                    s.runner.forward(s.cache, [ids[j]], n + j)
+                decode[name].append((time.perf_counter() - t) / DECODE_STEPS)
                 s.cache.crop(first)  # a cold prefill's chunk: the tokens before `start`, over what precedes them
                 t = time.perf_counter()
                 s.runner.forward(s.cache, ids[first:start], first)
@@ -99,10 +106,12 @@ def main() -> None:
             row[f"{name}_suffix_s"] = statistics.median(suffix[name][1:])
             row[f"{name}_suffix_min_s"] = min(suffix[name][1:])
             row[f"{name}_chunk_s"] = statistics.median(chunk[name][1:])
+            row[f"{name}_decode_s"] = statistics.median(decode[name][1:])
             profiled = profile_ms(sessions[name], ids, start)
             row[f"{name}_linear_ms"], row[f"{name}_attention_ms"] = profiled["linear"], profiled["attention"]
         row["suffix_ratio"] = row["packed_suffix_s"] / row["unpacked_suffix_s"]
         row["chunk_ratio"] = row["packed_chunk_s"] / row["unpacked_chunk_s"]
+        row["decode_ratio"] = row["packed_decode_s"] / row["unpacked_decode_s"]
         row["linear_ratio"] = row["packed_linear_ms"] / row["unpacked_linear_ms"]
         rows.append(row)
         print(f"  {n}: suffix {row['unpacked_suffix_s']:.3f} s -> {row['packed_suffix_s']:.3f} s", file=sys.stderr)
@@ -121,6 +130,9 @@ def main() -> None:
         ("unpacked_chunk_s", "chunk, unpacked s", ".3f"),
         ("packed_chunk_s", "chunk, packed s", ".3f"),
         ("chunk_ratio", "chunk packed/unpacked", ".2f"),
+        ("unpacked_decode_s", "decode step, unpacked s", ".4f"),
+        ("packed_decode_s", "decode step, packed s", ".4f"),
+        ("decode_ratio", "decode packed/unpacked", ".2f"),
     ]
     info = machine()
     print(describe(info))

@@ -2,8 +2,9 @@
 
 Why: on this repo's 2-core AVX2 VM a 32-token suffix forward of the default model spends 40-70% of
 its time in ``aten::mm``, and oneDNN's matmul over weights packed ahead of time runs the same
-products 1.2-1.5x faster (``benchmarks/llamacpp.py`` measures the whole forward both ways). The
-packing is a copy of every linear weight (0.38 GB for the default model) and takes ~0.2 s once, so
+products 1.2-1.5x faster (``benchmarks/llamacpp.py`` measures the whole forward both ways), and a
+one-row product (the lm_head, a decode step) on every core where ``F.linear`` uses one. The
+packing is a copy of every linear weight (0.49 GB for the default model) and takes ~0.3 s once, so
 it pays in a process that runs many forwards (``kvsnap chat``, ``serve``, ``run --batch``, a
 library user calling ``start``), not in a one-shot ``kvsnap run`` whose start is what the user waits for.
 
