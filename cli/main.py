@@ -76,6 +76,9 @@ def main() -> None:
     startup.stamp("main")
     try:
         app()
+    except SystemExit as exc:  # how every command ends, typer's standalone mode
+        startup.leave(exc.code)
+        raise
     except BrokenPipeError:
         # `kvsnap run ... | head`: the reader left; quietly stop writing.
         import os

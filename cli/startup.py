@@ -15,9 +15,12 @@ for benchmarks/startup.py.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import os
+import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -52,3 +55,32 @@ def exiting() -> None:
     """The interpreter is about to exit: spare it a last collection over everything (the OS frees it)."""
     if own_process:
         gc.freeze()
+
+
+def leave(code: object) -> None:
+    """End a finished CLI process now, skipping the interpreter's teardown, or return if that is not safe.
+
+    Tearing down the modules torch and the model made costs ~0.25 s of a 2-core VM's ~0.35 s from
+    the last output to the exit, and the OS frees all of it anyway. Skipped only once the command is
+    over: no thread of ours is still working (a non-daemon thread the interpreter would join, a
+    background save say), the exit code is a plain number, and the output flushed. The ``atexit``
+    handlers still run (temporary folders, logging), as in a normal exit.
+    """
+    if not own_process or not (code is None or isinstance(code, int)):
+        return
+    pool = sys.modules.get("kvsnap.format.pool")
+    if pool is not None:
+        pool.shutdown()  # idle decode workers: the interpreter would join them too
+    main = threading.main_thread()
+    if any(t is not main and not t.daemon and t.is_alive() for t in threading.enumerate()):
+        return
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):  # a closed pipe or stream: the normal exit reports it its own way
+        return
+    atexit._run_exitfuncs()
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code or 0)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from core_helpers import kvsnap_imports
 from typer.testing import CliRunner
 
 from cli import ui
@@ -96,16 +95,9 @@ def test_usage_errors_come_before_the_model_loads(tmp_path):
 
 def test_run_without_a_prompt_answers_fast():
     """`kvsnap run` with no prompt imports no torch and exits at once."""
-    code = (
-        "import sys, time; t = time.perf_counter(); sys.argv = ['kvsnap', 'run']\n"
-        "from cli.main import main\n"
-        "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
-        "print(code, 'torch' in sys.modules, round(time.perf_counter() - t, 2))"
-    )
     started = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
-    exit_code, torch_loaded, _ = out.stdout.split()
-    assert exit_code == "1" and torch_loaded == "False", out.stdout + out.stderr
+    out, imported = kvsnap_imports("run", cwd=ROOT)
+    assert out.returncode == 1 and "cli.run" in imported and "torch" not in imported, out.stderr[-2000:]
     assert "give --prompt" in out.stderr
     assert time.perf_counter() - started > 0  # timing is for the reader (benchmarks measure it), not asserted
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import zstandard
-from core_helpers import MODEL, make_layout, rewrite_meta, write_test_snapshot
+from core_helpers import MODEL, kvsnap_imports, make_layout, rewrite_meta, write_test_snapshot
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -415,20 +415,9 @@ def test_inspect_without_tokenizer_json_does_not_import_torch(model, tmp_path, k
     folder had config.json but no tokenizer.json."""
     snap = tmp_path / "s.kv"
     write_test_snapshot(snap, extra={"model_folder": str(model_without_tokenizer_json(model, tmp_path))})
-    code = (
-        "import sys\n"
-        "from cli.main import main\n"
-        "sys.argv = ['kvsnap', 'inspect', sys.argv[1]]\n"
-        "try:\n"
-        "    main()\n"
-        "except SystemExit:\n"
-        "    pass\n"
-        "print('torch imported' if 'torch' in sys.modules else 'no torch')\n"
-    )
-    env = {**os.environ, "KVSNAP_HOME": str(kvsnap_home)}
-    out = subprocess.run([sys.executable, "-c", code, str(snap)], capture_output=True, text=True, cwd=ROOT, env=env)
+    out, imported = kvsnap_imports("inspect", str(snap), env={**os.environ, "KVSNAP_HOME": str(kvsnap_home)}, cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().endswith("no torch"), out.stdout
+    assert "cli.inspect_cmd" in imported and "torch" not in imported
     assert "tokenizer.json not found" in out.stdout and "no text preview" in out.stdout
 
 

@@ -32,6 +32,16 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return pool
 
 
+def shutdown() -> None:
+    """Stop the process's pools once the tasks they run are done (an exiting process; a later read
+    makes a new pool)."""
+    with _pools_lock:
+        pools = list(_pools.values())
+        _pools.clear()
+    for pool in pools:
+        pool.shutdown(wait=True)
+
+
 def _after_fork_in_child() -> None:
     # A forked child has none of the parent's threads: a pool inherited from it would never run a
     # task, and a lock some parent thread held would never be released.
