@@ -63,24 +63,34 @@ def leave(code: object) -> None:
     Tearing down the modules torch and the model made costs ~0.25 s of a 2-core VM's ~0.35 s from
     the last output to the exit, and the OS frees all of it anyway. Skipped only once the command is
     over: no thread of ours is still working (a non-daemon thread the interpreter would join, a
-    background save say), the exit code is a plain number, and the output flushed. The ``atexit``
-    handlers still run (temporary folders, logging), as in a normal exit.
+    background save say), the exit code is a plain number, and the output flushed (a stream that
+    cannot be flushed, or is closed, leaves the exit to the interpreter, which reports it its own
+    way). The ``atexit`` handlers still run (temporary folders, logging), as in a normal exit.
     """
     if not own_process or not (code is None or isinstance(code, int)):
         return
     pool = sys.modules.get("kvsnap.format.pool")
     if pool is not None:
-        pool.shutdown()  # idle decode workers: the interpreter would join them too
+        pool.shutdown_for_exit()  # idle decode workers: the interpreter would join them too
     main = threading.main_thread()
     if any(t is not main and not t.daemon and t.is_alive() for t in threading.enumerate()):
         return
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except (OSError, ValueError):  # a closed pipe or stream: the normal exit reports it its own way
+    if not _flushed():
         return
     atexit._run_exitfuncs()
-    with contextlib.suppress(OSError, ValueError):
-        sys.stdout.flush()
-        sys.stderr.flush()
+    _flushed()
+    with contextlib.suppress(Exception):  # C stdio (a library's own printf), which os._exit does not flush
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
     os._exit(code or 0)
+
+
+def _flushed() -> bool:
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:  # None: the descriptor was closed when Python started (`>&-`)
+                stream.flush()
+    except Exception:  # noqa: BLE001  (a closed pipe, a closed or replaced stream: any failure returns False)
+        return False
+    return True

@@ -182,5 +182,6 @@ def kvsnap_imports(*args: str, env: dict[str, str] | None = None, cwd: Path | No
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env)
     lines = proc.stderr.splitlines()
     imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time:")}
+    assert "cli.run" in imported, proc.stderr[-2000:]  # the list was read: "torch" not in it means something
     proc.stderr = "\n".join(line for line in lines if not line.startswith("import time:"))
     return proc, imported

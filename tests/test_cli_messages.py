@@ -97,7 +97,7 @@ def test_run_without_a_prompt_answers_fast():
     """`kvsnap run` with no prompt imports no torch and exits at once."""
     started = time.perf_counter()
     out, imported = kvsnap_imports("run", cwd=ROOT)
-    assert out.returncode == 1 and "cli.run" in imported and "torch" not in imported, out.stderr[-2000:]
+    assert out.returncode == 1 and "torch" not in imported, out.stderr[-2000:]
     assert "give --prompt" in out.stderr
     assert time.perf_counter() - started > 0  # timing is for the reader (benchmarks measure it), not asserted
 

@@ -8,9 +8,12 @@ in a thread of its own exits the normal way, after that work.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,23 +67,50 @@ def test_leave_is_a_no_op_outside_the_cli_process():
     startup.leave(0)
 
 
-def test_a_real_run_exits_with_its_output_its_file_and_its_codes(tiny_model_dir, kvsnap_home, tmp_path):
+# The CLI as `kvsnap` runs it, with a finalizer that shows whether the interpreter's teardown ran.
+_CLI = """
+import sys
+
+class Loud:
+    def __del__(self):
+        sys.stderr.write("teardown ran\\n")
+
+kept = Loud()
+from cli.main import main
+sys.argv = ["kvsnap", *sys.argv[1:]]
+main()
+"""
+
+
+def test_real_commands_exit_fast_with_their_output_their_files_and_their_codes(tiny_model_dir, kvsnap_home, tmp_path):
     model, snap = str(tiny_model_dir("llama")), tmp_path / "s.kv"
     env = {"KVSNAP_HOME": str(kvsnap_home), "PATH": "/usr/bin:/bin"}
 
     def kvsnap(*args: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "cli.main", *args]
-        return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+        cmd = [sys.executable, "-c", _CLI, *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+        assert "teardown ran" not in proc.stderr, proc.stderr  # every one of them took the fast exit
+        return proc
 
-    ran = kvsnap(
-        *("run", "--model", model, "--prompt", "alpha beta gamma delta", "--max-new-tokens", "3"),
-        *("--json", "--save", str(snap)),
-    )
+    prompt = ("--model", model, "--prompt", "alpha beta gamma delta " * 20, "--block-size", "16")
+    ran = kvsnap("run", *prompt, "--max-new-tokens", "3", "--json", "--save", str(snap))
     assert ran.returncode == 0, ran.stderr
     row = json.loads(ran.stdout)
-    assert row["prompt_tokens"] > 0 and row["new_tokens"] == 3
+    assert row["prompt_tokens"] > 32 and row["new_tokens"] == 3
     shown = kvsnap("inspect", str(snap), "--json")  # the file the run wrote is whole
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout)["tokens"] == row["prompt_tokens"] + 3  # the prompt and the answer
+    # A resume: the snapshot read and decoded in a prefetch thread and the decode pool, then the fast exit.
+    resumed = kvsnap("run", *prompt, "--max-new-tokens", "2", "--json", "--resume", str(snap), "--reuse", "load")
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(resumed.stdout)["hit_tokens"] >= 32
     assert kvsnap("run", "--model", model).returncode == 1  # an error: no prompt
     assert kvsnap("run", "--no-such-flag").returncode == 2  # a usage error
+
+
+@pytest.mark.parametrize("fd", [1, 2])
+def test_a_closed_output_leaves_the_exit_to_the_interpreter(fd):
+    # `kvsnap --version >&-`: Python starts with sys.stdout None; the exit code is the command's.
+    cmd = [sys.executable, "-m", "cli.main", "--version"]
+    proc = subprocess.run(cmd, cwd=ROOT, preexec_fn=lambda: os.close(fd), capture_output=False, timeout=60)
+    assert proc.returncode == 0

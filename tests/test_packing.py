@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import tiny_models
 import torch
 from test_native import NATIVE_ARCHS, _run
 
@@ -113,6 +114,28 @@ def test_no_forward_sees_a_model_half_packed(tiny_model_dir, monkeypatch):
     gate.set()
     forward.join(30)
     assert "out" in result and all(_packed(lm))
+
+
+def test_a_tied_lm_head_is_packed_as_a_copy_and_the_embedding_keeps_its_weight(tmp_path):
+    # The default model ties its lm_head to the embedding; the tiny models do not, but for this one.
+    folder = tiny_models.build_tiny_model(tmp_path / "tied", "llama", tie_word_embeddings=True)
+    plain, packed = (load_model(str(folder), device="cpu") for _ in range(2))
+    assert packed.model.lm_head.weight is packed.model.model.embed_tokens.weight
+    assert start_packing(packed)
+    (a_logits, a_kv), (b_logits, b_kv) = _run(plain, IDS), _run(packed, IDS)
+    assert all(_packed(packed)) and packed.model.lm_head.weight is packed.model.model.embed_tokens.weight
+    for a, b in zip(a_logits, b_logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a_kv, b_kv, rtol=1e-5, atol=1e-5)
+
+
+def test_a_budget_with_room_for_the_layers_alone_packs_them_alone(tiny_model_dir, monkeypatch):
+    lm = _load(tiny_model_dir)
+    layers = sum(m.weight.numel() * 4 for m in lm.model.packable_linears())
+    monkeypatch.setattr(packing, "MAX_PACKED_BYTES", layers + lm.model.lm_head.weight.numel() * 4 - 1)
+    assert start_packing(lm)
+    lm.model.packing.wait()
+    assert all(_packed(lm)[:-1]) and lm.model.lm_head.packed is None  # the layers gain more than the head
 
 
 def test_a_packed_copy_over_the_memory_budget_is_not_made(tiny_model_dir, monkeypatch):

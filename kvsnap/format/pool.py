@@ -32,14 +32,14 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return pool
 
 
-def shutdown() -> None:
-    """Stop the process's pools once the tasks they run are done (an exiting process; a later read
-    makes a new pool)."""
+def shutdown_for_exit() -> None:
+    """Stop the process's pools, for a process about to exit: tasks not started are cancelled (a read
+    waiting on them fails), running ones finish, and the idle threads end."""
     with _pools_lock:
         pools = list(_pools.values())
         _pools.clear()
     for pool in pools:
-        pool.shutdown(wait=True)
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _after_fork_in_child() -> None:

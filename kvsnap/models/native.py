@@ -225,10 +225,8 @@ class NativeCausalLM(nn.Module):
         self.packing: packing.Packing | None = None
 
     def packable_linears(self) -> list[Linear]:
-        # The lm_head too, though a forward runs it on one row and it may be the tied embedding (a copy
-        # of 113 MB for the default model): F.linear runs a one-row product on one core, oneDNN on all
-        # of them (14 ms -> 8 ms here, 4-8% of a decode step).
-        return [m for m in self.model.modules() if isinstance(m, Linear)] + [self.lm_head]
+        # The decoder's; the lm_head is packed too where the budget allows (kvsnap.models.packing).
+        return [m for m in self.model.modules() if isinstance(m, Linear)]
 
     def start_packing(self) -> bool:
         """Pack the linear weights in the background (``kvsnap.models.packing``); forwards from now on wait

@@ -1,6 +1,7 @@
 """What a process that runs many forwards (a chat, a server, a batch) prepares once its model is
-loaded: the chat template's tokenizer and packed weights (in the background), the KV memory of a
-``ctx_size`` (now). A one-shot run prepares none of it: its single forward would wait for it.
+loaded: packed weights and (a chat, a server: they wait on their user) the chat template's tokenizer,
+in the background; the KV memory of a ``ctx_size``, now. A one-shot run prepares none of it: its
+single forward would wait for it.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def reserve_context(lm: LoadedModel) -> bool:
 
 
 def preload(lm: LoadedModel) -> None:
-    """What a process that runs many forwards (a chat, a server, a batch) starts in the background once
-    the model is loaded: the chat template's tokenizer and packed weights."""
+    """What a chat or a server starts in the background once the model is loaded, while it waits on its
+    user: the chat template's tokenizer and packed weights. (A batch has no such wait: it only packs,
+    ``start_packing``; a background import would slow its first job.)"""
     preload_chat_template(lm)
     start_packing(lm)
