@@ -77,7 +77,7 @@ def kv_buffer(num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, 
         # Room up to the next power of two: untouched pages cost nothing, a cache that grows into
         # them never regrows (copying its history), and pooled buffers come in few sizes to match.
         rounded = 1 << max(8, (capacity - 1).bit_length())
-        per_token = num_layers * 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        per_token = _bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
         if rounded * per_token <= MAX_POOLED_BYTES:
             shape = (num_layers, 2, num_kv_heads, rounded, head_dim)
         buf = torch.empty(shape, dtype=dtype, device=device)
@@ -89,7 +89,7 @@ def warm(num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype
     """Pool a CPU buffer for ``capacity`` tokens with its pages touched now (a process's context size,
     ``--ctx-size``): the next restore, prefill or fresh session takes it, no page faults on its path.
     False where it would not be pooled (pooling off, or larger than the pool's budget)."""
-    per_token = num_layers * 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    per_token = _bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
     if _use_count is None or not ENABLED or capacity * per_token > MAX_POOLED_BYTES:
         return False
     buf = kv_buffer(num_layers, num_kv_heads, head_dim, capacity, dtype, "cpu")
@@ -98,6 +98,10 @@ def warm(num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype
         pooled = any(entry.buf is buf for entry in _pool)
     del buf
     return pooled
+
+
+def _bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+    return num_layers * 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def adopt(raw: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
