@@ -1,79 +1,40 @@
-"""``kvsnap``: resumable local LLM sessions. Commands are thin wrappers over the library."""
+"""``kvsnap``: resumable local LLM sessions. The entry point: hand the command to a warm process, or run it here.
+
+The app (typer and every command module) is imported only once the command runs here: a command a
+warm process takes (cli.warm) costs this process the interpreter and a few stdlib modules.
+"""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Any
 
-import typer
-
-from cli import calibrate_cmd, chat, inspect_cmd, pull, run, serve, startup, store_cmd
-from cli.common import state
-
-app = typer.Typer(
-    name="kvsnap",
-    help=(
-        "Resumable local LLM sessions: the KV cache is saved to a compressed .kv snapshot, and a resume "
-        "loads the matching prefix (no recompute) and prefills only what is new."
-    ),
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
+from cli import startup
 
 
-def _version(value: bool) -> None:
-    if value:
-        from kvsnap import __version__
+def __getattr__(name: str) -> Any:
+    if name == "app":  # `from cli.main import app`, the tests' way in
+        from cli.app import app
 
-        typer.echo(f"kvsnap {__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def _root(
-    debug: Annotated[bool, typer.Option("--debug", metavar="", help="Show full tracebacks on errors.")] = False,
-    version: Annotated[
-        bool,
-        typer.Option(
-            "--version", metavar="", callback=_version, is_eager=True, help="Print kvsnap's version and exit."
-        ),
-    ] = False,
-) -> None:
-    if debug:
-        state["debug"] = True
-
-
-def unwrap(doc: str | None) -> str:
-    """A docstring as help text: each paragraph one line (typer keeps single line breaks inside later
-    paragraphs, which showed as stray breaks), example lines (indented) kept as they are."""
-    import inspect
-
-    paragraphs = []
-    for para in inspect.cleandoc(doc or "").split("\n\n"):
-        lines = para.splitlines()
-        paragraphs.append(para if any(line.startswith("  ") for line in lines) else " ".join(lines))
-    return "\n\n".join(paragraphs)
-
-
-commands = (
-    ("chat", chat.chat),
-    ("run", run.run),
-    ("serve", serve.serve),
-    ("inspect", inspect_cmd.inspect),
-    ("pull", pull.pull),
-    ("calibrate", calibrate_cmd.calibrate),
-)
-for name, command in commands:
-    app.command(name, help=unwrap(command.__doc__))(command)
-for command in store_cmd.app.registered_commands:
-    command.help = unwrap(command.help or command.callback.__doc__)
-app.add_typer(store_cmd.app, name="store")
+        return app
+    raise AttributeError(name)
 
 
 def main() -> None:
     startup.own_process = True
     startup.stamp("main")
+    import sys
+
+    from cli import warm
+
+    warm.hand_over(sys.argv[1:])  # a warm process took the command: exits with its status
+    run_here()
+
+
+def run_here() -> None:
+    """Run the command line in this process (``main``, or a warm process's child)."""
+    startup.own_process = True
+    from cli.app import app
+
     try:
         app()
     except SystemExit as exc:  # how every command ends, typer's standalone mode

@@ -163,13 +163,19 @@ def test_chat_quality_benchmark(bench, tiny_model_dir):
 
 def test_startup_benchmark_times_each_stage_of_a_new_process(bench, tiny_model_dir):
     args = ("--model", str(tiny_model_dir("llama")), "--device", "cpu", "--lengths", "160", "--repeats", "1")
-    out, data = bench("startup", *args)
+    out, data = bench("startup", *args, "--warm")
     assert out.startswith("machine: ")
     (label,) = data["trees"]
-    resume, cold = data["summary"]["160"][f"{label} resume"], data["summary"]["160"][f"{label} cold"]
+    summary = data["summary"]["160"]
+    resume, cold = summary[f"{label} resume"], summary[f"{label} cold"]
     for stage in ("interpreter", "cli imports", "load: torch", "load: weights", "session", "prefill", "exit"):
         assert resume[stage]["median"] > 0 and cold[stage]["median"] > 0, stage
     assert resume["restore"]["median"] > cold.get("restore", {"median": 0})["median"]  # cold: nothing to read
+    # The warm columns: runs the warm process took (the script checks it served each one), stage by stage.
+    assert data["warm"][label]["pid"] > 0
+    for mode in ("warm resume", "warm cold"):
+        assert summary[f"{label} {mode}"]["= answered"]["median"] > 0
+    assert summary[f"{label} warm resume"]["restore"]["median"] > 0
     # The stages of one process add up to no more than its wall time.
     for run in data["runs"]:
         parts = sum(v for k, v in run["stages"].items() if k not in ("total", "cpu") and not k.startswith("="))
