@@ -49,8 +49,8 @@ _BOOT = "import sys; from cli.main import main; sys.argv[0] = 'kvsnap'; sys.exit
 # (stage, what it covers); the rows of each table, in the order a process meets them.
 STAGES = [
     ("interpreter", "exec to the CLI's first import (python, site); warm: to the forked child's start"),
-    ("cli imports", "typer, rich, the command modules"),
-    ("command line", "typer builds the app and parses (pydantic, click)"),
+    ("cli imports", "the entry point (cli.main) and the warm hand-over's check (cli.warm)"),
+    ("command line", "the app's imports (typer, rich, the command modules), then typer parses"),
     ("before load", "settings checks; an older tree imports torch/transformers here"),
     ("load: resolve", "model name to folder"),
     ("load: torch", "import torch"),
@@ -223,7 +223,7 @@ def main() -> None:
         try:
             if args.warm:
                 for label, tree, _ in variants:
-                    warmed[label] = warm_command(tree, envs[label], "start")
+                    warmed[label] = warm_command(tree, envs[label], "start", "--model", args.model)
             for r in range(args.repeats):
                 for n, text, snap in made:
                     for label, tree, _ in variants:

@@ -33,6 +33,7 @@ def main() -> None:
 def run_here() -> None:
     """Run the command line in this process (``main``, or a warm process's child)."""
     startup.own_process = True
+    startup.stamp("main")  # a warm process's child starts here
     from cli.app import app
 
     try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import io
+import json
 import os
 import selectors
 import signal
@@ -27,6 +28,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from cli import warm
 
@@ -76,8 +78,9 @@ class _Run:
 
 def main() -> None:
     idle = float(sys.argv[1]) if len(sys.argv) > 1 else 900.0
+    models = sys.argv[2:]  # whose tokenizers to parse ahead
     try:
-        server = Server(idle)
+        server = Server(idle, models)
     except Exception as exc:  # noqa: BLE001  (one line for `kvsnap warm start` to report: a busy lock, a bind, an import)
         print(f"error: {exc}", flush=True)
         sys.exit(1)
@@ -101,9 +104,10 @@ def main() -> None:
 
 
 class Server:
-    def __init__(self, idle: float):
+    def __init__(self, idle: float, models: list[str] = ()):
         self.pid = os.getpid()
         self.idle = idle
+        self.models = list(models)
         self.key = warm.key()
         folder = warm.checked_folder(create=True)
         self.path = warm.socket_path(folder, self.key)
@@ -122,6 +126,8 @@ class Server:
         self.served = 0
         self.children: dict[int, _Run] = {}  # by pid
         self.imports_s = _preload()
+        self.parsed = _parse_ahead(self.models)
+        _check_threads()
         gc.collect()
         gc.freeze()  # children never walk (nor copy, by touching) what the imports made
         with contextlib.suppress(FileNotFoundError):
@@ -137,7 +143,7 @@ class Server:
 
     def serve(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        print(f"ready {self.pid} {self.imports_s:.2f}", flush=True)
+        print(f"ready {self.pid} {self.imports_s:.2f} {json.dumps(self.parsed)}", flush=True)
         _detach_stdio()
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.listener, selectors.EVENT_READ, ("accept", None))
@@ -270,6 +276,7 @@ class Server:
             "running": len(self.children),
             "idle_s": self.idle,
             "imports_s": round(self.imports_s, 3),
+            "tokenizers": self.parsed,
         }
 
     def _stop_listening(self) -> None:
@@ -288,22 +295,50 @@ class Server:
         warm.unlock(self.lock_path, self.lock_fd)
 
 
+_numpy_threads = 1
+
+
 def _preload() -> float:
-    """Import PRELOAD; refuse if that started a thread numpy's did not (see the module's docstring)."""
+    """Import PRELOAD (``_check_threads`` then checks they started no thread)."""
     import importlib
 
+    global _numpy_threads
     start = time.perf_counter()
     importlib.import_module(PRELOAD[0])
     # numpy's OpenBLAS starts its workers at import; it stops them around a fork (pthread_atfork).
-    native = _native_threads()
+    _numpy_threads = _native_threads()
     for name in PRELOAD[1:]:
         importlib.import_module(name)
-    elapsed = time.perf_counter() - start
-    if threading.active_count() != 1 or _native_threads() > native:
+    return time.perf_counter() - start
+
+
+def _parse_ahead(models: list[str]) -> list[str]:
+    """Parse the tokenizers of ``models`` that are ready on disk (a folder, or the default model once
+    converted; nothing is installed or converted here), for every child to find parsed. Returns the
+    models whose tokenizer was."""
+    from kvsnap.config import DEFAULT_MODEL
+    from kvsnap.errors import KvsnapError
+    from kvsnap.models import resolve
+    from kvsnap.models.plain_tokenizer import parse_ahead
+
+    parsed = []
+    for spec in models:
+        folder = resolve.kvsnap_home() / "models" / DEFAULT_MODEL if spec == DEFAULT_MODEL else Path(spec)
+        try:
+            ready = resolve.is_ready(folder) if spec == DEFAULT_MODEL else (folder / "config.json").is_file()
+            if ready and parse_ahead(folder):
+                parsed.append(spec)
+        except (KvsnapError, OSError):
+            continue
+    return parsed
+
+
+def _check_threads() -> None:
+    """Refuse to serve if anything but numpy's OpenBLAS started a thread (see the module's docstring)."""
+    if threading.active_count() != 1 or _native_threads() > _numpy_threads:
         raise warm.WarmError(
-            f"{_native_threads()} threads after the imports ({native} after numpy's): a fork would lose them"
+            f"{_native_threads()} threads after the imports ({_numpy_threads} after numpy's): a fork would lose them"
         )
-    return elapsed
 
 
 def _native_threads() -> int:

@@ -72,11 +72,13 @@ def served(env: dict) -> int:
 
 
 @pytest.fixture(scope="module")
-def warm_up(env):
-    proc = kvsnap(env, "warm", "start", "--json")
+def warm_up(env, tiny_model_dir):
+    model = str(tiny_model_dir("llama"))
+    proc = kvsnap(env, "warm", "start", "--model", model, "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     info = json.loads(proc.stdout)
     assert info["already"] is False and info["pid"] > 0
+    assert info["tokenizers"] == [model]  # the runs below use its parse (tests/test_plain_tokenizer.py)
     yield info
     kvsnap(env, "warm", "stop")
 
