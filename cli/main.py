@@ -24,9 +24,9 @@ def main() -> None:
     startup.stamp("main")
     import sys
 
-    from cli import warm
+    from cli import warm_client
 
-    warm.hand_over(sys.argv[1:])  # a warm process took the command: exits with its status
+    warm_client.hand_over(sys.argv[1:])  # a warm process took the command: exits with its status
     run_here()
 
 

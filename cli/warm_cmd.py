@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import selectors
 import subprocess
 import sys
 import time
@@ -22,12 +24,13 @@ app = typer.Typer(
         "A warm process: imports torch and kvsnap once and stays up, so each `kvsnap run` starts its work "
         "at once (a new process spends seconds importing torch). Each run is still a fresh process, "
         "forked from the warm one; this user's runs only, and only those started with the same "
-        "Python, packages, kvsnap sources and settings (KVSNAP_WARM=0 turns its use off)."
+        "Python, packages, kvsnap sources, settings and limits (KVSNAP_WARM=0 turns its use off). Linux only."
     ),
     no_args_is_help=True,
 )
 Json = Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object.")]
 START_TIMEOUT = 120.0  # seconds: the imports take 2-5 s on a slow VM, far more on a cold disk
+MAX_IDLE = 7 * 86400.0
 
 
 class WarmStartError(KvsnapError):
@@ -38,7 +41,8 @@ class WarmStartError(KvsnapError):
 @guarded
 def start(
     idle: Annotated[
-        float, typer.Option(min=1, help="Exit after this many seconds without a run (default: 15 minutes).")
+        float,
+        typer.Option(min=1, max=MAX_IDLE, help="Exit after this many seconds without a run (default: 15 minutes)."),
     ] = 900.0,
     model: Annotated[
         list[str] | None,
@@ -50,29 +54,44 @@ def start(
     json_out: Json = False,
 ) -> None:
     """Start a warm process for this environment (or report the one already up) and return once it is ready."""
-    models = [str(Path(m).resolve()) if m != DEFAULT_MODEL else m for m in (model or [DEFAULT_MODEL])]
+    if not warm.supported():
+        raise WarmStartError("a warm process needs Linux (SO_PEERCRED, pidfds, /proc)")
+    if not math.isfinite(idle):
+        raise WarmStartError("--idle must be a number of seconds")
+    models = [m if m == DEFAULT_MODEL else str(Path(m).resolve()) for m in (model or [DEFAULT_MODEL])]
     current = _find_current()
     if current is not None:
         _report({**current, "already": True}, json_out)
         return
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "from cli.warm_server import main; main()", repr(idle), *models],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        cwd="/",
-        start_new_session=True,  # no terminal: the user's ^C and hangup are not its
-        close_fds=True,
-    )
+    ready_read, ready_write = os.pipe()
+    flags = subprocess._args_from_interpreter_flags()  # -X, -O, -W ...: part of the key
+    code = "from cli.warm_server import main; main()"
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, *flags, "-c", code, str(ready_write), repr(idle), *models],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            cwd="/",
+            start_new_session=True,  # no terminal: the user's ^C and hangup are not its
+            pass_fds=(ready_write,),
+        )
+    finally:
+        os.close(ready_write)
     with ui.status("starting a warm process (importing torch)"):
-        line = _first_line(proc)
-    if not line.startswith("ready "):
+        line, output = _ready_line(proc, ready_read)
+    fields = line.split(" ", 4)
+    if fields[0] != "ready" or len(fields) != 5:
         proc.kill()
         proc.wait()
-        raise WarmStartError(f"the warm process did not start: {line.strip() or 'no output'}")
-    if proc.stdout is not None:
-        proc.stdout.close()
-    _, pid, imports_s, parsed = line.split(" ", 3)
+        said = line.strip() or output.strip().splitlines()[-1:] or ["it exited"]
+        raise WarmStartError(f"the warm process did not start: {said if isinstance(said, str) else said[0]}")
+    _, pid, imports_s, key, parsed = fields
+    if key != warm.key():
+        # It imported another way than this process would (a relative PYTHONPATH, say): it would serve no run.
+        proc.kill()
+        proc.wait()
+        raise WarmStartError("the warm process's environment differs from this one's; it would serve no run here")
     info = {"pid": int(pid), "imports_s": float(imports_s), "tokenizers": json.loads(parsed), "idle_s": idle}
     _report({**info, "already": False}, json_out)
 
@@ -84,10 +103,9 @@ def stop(json_out: Json = False) -> None:
     stopped = []
     for path in _sockets():
         try:
-            reply = _ask(path, "stop")
+            stopped.append(warm.ask(path, "stop"))
         except warm.WarmError:
             continue
-        stopped.append(reply)
     if json_out:
         ui.print_json({"stopped": stopped})
         return
@@ -103,7 +121,7 @@ def status(json_out: Json = False) -> None:
     found = []
     for path in _sockets():
         try:
-            info = _ask(path, "status")
+            info = warm.ask(path, "status")
         except warm.WarmError:
             continue
         info["current"] = info.get("key") == current_key
@@ -114,69 +132,63 @@ def status(json_out: Json = False) -> None:
     if not found:
         ui.emit("no warm process (start one with: kvsnap warm start)\n")
     for info in found:
-        age = time.time() - info["started"]
+        age = time.time() - float(info.get("started") or time.time())
         use = "takes `kvsnap run` here" if info["current"] else "another environment (not used here)"
         ui.emit(
-            f"pid {info['pid']}: up {age:.0f} s, {ui.plural(info['served'], 'run')} served, "
-            f"{info['running']} running; {use}\n"
+            f"pid {info.get('pid')}: up {age:.0f} s, {ui.plural(int(info.get('served') or 0), 'run')} served, "
+            f"{info.get('running')} running; {use}\n"
         )
     if found and not warm.enabled():
         ui.note("KVSNAP_WARM=0: runs here do not use them")
 
 
-def _sockets() -> list:
+def _sockets() -> list[Path]:
+    if not warm.supported():
+        return []
     try:
         folder = warm.checked_folder(create=False)
-    except warm.WarmError as exc:
-        if not os.path.lexists(warm.folder()):
-            return []
+    except warm.WarmFolderError as exc:
         raise WarmStartError(str(exc)) from None
+    except warm.WarmError:
+        return []  # no folder: no warm process
     warm.prune(folder)
     return sorted(folder.glob("*.sock"))
-
-
-def _ask(path, op: str) -> dict:
-    sock = warm.connect(path)
-    try:
-        sock.sendall(b"?")  # the one byte that carries a run's descriptors
-        warm.send_frame(sock, {"op": op})
-        reply = warm.recv_frame(sock)
-    except OSError as exc:
-        raise warm.WarmError(str(exc)) from None
-    finally:
-        sock.close()
-    if not isinstance(reply, dict):
-        raise warm.WarmError("a malformed reply")
-    return reply
 
 
 def _find_current() -> dict | None:
     try:
         path = warm.socket_path(warm.checked_folder(create=True), warm.key())
-        return _ask(path, "status")
     except warm.WarmError as exc:
-        if "uid" in str(exc) or "not a folder" in str(exc):
-            raise WarmStartError(str(exc)) from None
+        raise WarmStartError(str(exc)) from None
+    try:
+        return warm.ask(path, "status")
+    except warm.WarmError:
         return None
 
 
-def _first_line(proc: subprocess.Popen) -> str:
-    """The warm process's first line ("ready PID IMPORT_SECONDS" or an error), waiting at most START_TIMEOUT."""
-    import selectors
-
+def _ready_line(proc: subprocess.Popen, ready: int) -> tuple[str, str]:
+    """The warm process's line on its ready descriptor ("ready ..." or "error: ..."), waiting at most
+    START_TIMEOUT, and what it printed meanwhile (warnings from its imports, or a traceback)."""
     assert proc.stdout is not None
     sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
+    sel.register(ready, selectors.EVENT_READ, "ready")
+    sel.register(proc.stdout, selectors.EVENT_READ, "output")
     deadline = time.monotonic() + START_TIMEOUT
-    data = b""
-    while b"\n" not in data and time.monotonic() < deadline:
-        if sel.select(deadline - time.monotonic()):
-            chunk = os.read(proc.stdout.fileno(), 4096)
+    line, output, open_ = b"", b"", 2
+    while b"\n" not in line and open_ and time.monotonic() < deadline:
+        for sel_key, _ in sel.select(deadline - time.monotonic()):
+            chunk = os.read(sel_key.fileobj if isinstance(sel_key.fileobj, int) else sel_key.fileobj.fileno(), 65536)
             if not chunk:
-                break
-            data += chunk
+                sel.unregister(sel_key.fileobj)
+                open_ -= 1
+            elif sel_key.data == "ready":
+                line += chunk
+            else:
+                output = (output + chunk)[-65536:]
     sel.close()
-    return data.decode(errors="replace").split("\n")[0]
+    os.close(ready)
+    proc.stdout.close()  # the warm process writes nothing more; it may have printed warnings, kept above
+    return line.decode(errors="replace").split("\n")[0], output.decode(errors="replace")
 
 
 def _report(info: dict, json_out: bool) -> None:

@@ -1,66 +1,44 @@
 """The warm process itself (see ``cli.warm``): preload, then fork a child per ``kvsnap run`` handed over.
 
-It is started by ``kvsnap warm start`` as ``python -c 'from cli.warm_server import main; main()'``
-in a new session (no terminal), reports ``ready`` on its standard output, and from then on writes
-nothing. One thread, one ``select`` loop: new connections; each child's exit (a pidfd), which is
-sent back to its ``kvsnap run`` as a wait status; and each connection's close, which means that
-``kvsnap run`` is gone, so its child is sent SIGTERM, as a terminal's hangup would end it.
+Started by ``kvsnap warm start`` as ``python -c 'from cli.warm_server import main; main()' READY_FD
+IDLE [MODEL ...]`` in a new session (no terminal). It writes one line on READY_FD ("ready PID
+IMPORT_SECONDS KEY PARSED", or "error: ..."), and from then on writes nothing. One thread, one
+``select`` loop over: new connections; each run's connection (its go, then its close: that
+``kvsnap run`` is gone, so its child gets SIGTERM, as a terminal's hangup would end it); each
+child's exit (a pidfd), sent back to its ``kvsnap run`` as a wait status; and SIGTERM (a wakeup
+descriptor): stop taking runs, pass the SIGTERM on to the runs under way, return their statuses,
+exit. ``kvsnap warm stop`` is the same without the SIGTERM: the runs under way finish.
 
-It imports no ``cli`` module but this one and ``cli.warm`` (``cli.ui`` makes its rich consoles at
-import, from the standard streams of the process), and no typer or rich (they read the terminal's
-environment at import). Everything it imports runs no thread: a fork copies only the thread that
-calls it, so one started before would be missing, its locks held, in every child (checked before
-serving). It holds a lock on ``KEY.lock`` as long as it lives: a second ``warm start`` of the same key
-sees it and leaves, and a socket whose lock is free is a dead one's, which is removed.
+It imports no ``cli`` module but ``cli.warm``, ``cli.warm_client`` and ``cli.warm_child`` (``cli.ui``
+makes its rich consoles at import, from the process's standard streams), and no typer or rich (they
+read the terminal's environment at import). Nothing it imports may run a thread: a fork copies only
+the thread that calls it, so one started before would be missing, its locks held, in every child
+(checked before serving; numpy's OpenBLAS workers stop around a fork by themselves). It holds a lock
+on ``KEY.lock`` as long as it lives: a second ``warm start`` of the same key sees it and leaves, and
+a socket whose lock is free is a dead one's, which is removed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import io
 import json
 import os
 import selectors
 import signal
 import socket
 import sys
-import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-from cli import warm
+from cli import warm, warm_child, warm_client, warm_preload
 
-# What `kvsnap run --resume` imports beyond the CLI (python -X importtime); numpy first (``_preload``).
-PRELOAD = (
-    "numpy",
-    "zstandard",
-    "xxhash",
-    "safetensors",
-    "tokenizers",
-    "torch",
-    "torch.nn.functional",
-    "kvsnap.config",
-    "kvsnap.paths",
-    "kvsnap.format.reader",
-    "kvsnap.format.writer",
-    "kvsnap.format.prefetch",
-    "kvsnap.reuse",
-    "kvsnap.models.resolve",
-    "kvsnap.models.load",
-    "kvsnap.models.native",
-    "kvsnap.models.plain_tokenizer",
-    "kvsnap.models.prepare",
-    "kvsnap.engine.session",
-    "kvsnap.engine.runner",
-    "kvsnap.engine.calibrate",
-)
-ACCEPT_TIMEOUT = 5.0  # seconds a connection may take to send its request
+REQUEST_TIMEOUT = 5.0  # seconds a connection may take to send its whole request
+HELD = [getattr(signal, name) for name in warm_client.FORWARDED]  # blocked from the fork to the run's start
 
 
 class _Child(Exception):
-    """Raised in a forked child to leave the server's loop and run its command (once ``go`` says so)."""
+    """Raised in a forked child to leave the server's loop and become its run."""
 
     def __init__(self, request: dict, fds: list[int], go: int):
         self.request, self.fds, self.go = request, fds, go
@@ -77,37 +55,26 @@ class _Run:
 
 
 def main() -> None:
-    idle = float(sys.argv[1]) if len(sys.argv) > 1 else 900.0
-    models = sys.argv[2:]  # whose tokenizers to parse ahead
+    ready = int(sys.argv[1])
+    idle = float(sys.argv[2])
+    models = sys.argv[3:]  # whose tokenizers to parse ahead
     try:
         server = Server(idle, models)
-    except Exception as exc:  # noqa: BLE001  (one line for `kvsnap warm start` to report: a busy lock, a bind, an import)
-        print(f"error: {exc}", flush=True)
+    except Exception as exc:  # noqa: BLE001  (one line for `kvsnap warm start`: a busy lock, a bind, an import)
+        os.write(ready, f"error: {exc}\n".encode())
         sys.exit(1)
     try:
-        server.serve()
+        server.serve(ready)
         return
     except _Child as exc:
         child = exc  # outside the handler: no traceback of this run chains the server's
-    go = os.read(child.go, 1)  # the server passes on the go of this run's kvsnap, or closes the pipe
-    os.close(child.go)
-    if go != b"G":  # that kvsnap gave up (it runs the command itself) or the server is gone
-        os._exit(0)
-    try:
-        _become(child.request, child.fds)
-    except Exception as exc:  # noqa: BLE001  (its kvsnap run waits on this child: say why, once)
-        os.write(2, f"kvsnap: the warm process could not start this run ({exc})\n".encode())
-        os._exit(1)
-    from cli.main import run_here
-
-    run_here()  # ends in SystemExit: the interpreter's normal exit, or cli.startup.leave's fast one
+    warm_child.run(child.request, child.fds, child.go, server.env_added)
 
 
 class Server:
     def __init__(self, idle: float, models: list[str] = ()):
         self.pid = os.getpid()
         self.idle = idle
-        self.models = list(models)
         self.key = warm.key()
         folder = warm.checked_folder(create=True)
         self.path = warm.socket_path(folder, self.key)
@@ -115,24 +82,37 @@ class Server:
         self.lock_fd = warm.lock(self.lock_path)
         if self.lock_fd is None:
             raise warm.WarmError("already running for this environment")
+        self.listener: socket.socket | None = None
         try:
-            self._start()
+            self._start(list(models))
         except BaseException:
+            self._stop_listening()
             warm.unlock(self.lock_path, self.lock_fd)
             raise
 
-    def _start(self) -> None:
+    def _start(self, models: list[str]) -> None:
         self.started = time.time()
         self.served = 0
+        self.terminating = False
         self.children: dict[int, _Run] = {}  # by pid
-        self.imports_s = _preload()
-        self.parsed = _parse_ahead(self.models)
-        _check_threads()
+        self.context = warm.context(self.pid)
+        env_before = dict(os.environ)
+        self.imports_s = warm_preload.preload()
+        self.parsed = warm_preload.parse_ahead(models)
+        warm_preload.check_threads()
+        # What the imports set in the environment, a child sets too (it would have, importing them).
+        self.env_added = {k: v for k, v in os.environ.items() if env_before.get(k) != v}
+        if warm.key() != self.key:
+            raise warm.WarmError("the imports changed what the key covers; runs here would differ")
         gc.collect()
         gc.freeze()  # children never walk (nor copy, by touching) what the imports made
+        with contextlib.suppress(Exception):  # C stdio a library wrote during the imports: never a child's
+            import ctypes
+
+            ctypes.CDLL(None).fflush(None)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)  # ours to remove: its lock was free, so its server is gone
-        self.listener: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o077)
         try:
             self.listener.bind(str(self.path))
@@ -141,34 +121,55 @@ class Server:
         self.listener.listen(64)
         self.inode = os.stat(self.path).st_ino
 
-    def serve(self) -> None:
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        print(f"ready {self.pid} {self.imports_s:.2f} {json.dumps(self.parsed)}", flush=True)
-        _detach_stdio()
+    def serve(self, ready: int) -> None:
         self.sel = selectors.DefaultSelector()
+        wake_read, wake_write = socket.socketpair()
+        wake_read.setblocking(False)
+        wake_write.setblocking(False)
+        signal.set_wakeup_fd(wake_write.fileno())
+        signal.signal(signal.SIGTERM, self._terminate)
+        self.sel.register(wake_read, selectors.EVENT_READ, ("wake", None))
         self.sel.register(self.listener, selectors.EVENT_READ, ("accept", None))
         last = time.monotonic()
         try:
-            while True:
-                if self.listener is None and not self.children:
-                    return
-                wait = None if self.children else max(0.0, last + self.idle - time.monotonic())
+            os.write(ready, f"ready {self.pid} {self.imports_s:.2f} {self.key} {json.dumps(self.parsed)}\n".encode())
+            os.close(ready)
+            _detach_stdio()
+            while self.listener is not None or self.children:
+                wait = None if self.children else min(86400.0, max(0.0, last + self.idle - time.monotonic()))
                 events = self.sel.select(wait)
                 if not events and not self.children and time.monotonic() - last >= self.idle:
                     return
                 for sel_key, _ in events:
                     kind, data = sel_key.data
-                    if kind == "accept":
+                    if kind == "wake":
+                        with contextlib.suppress(OSError):
+                            wake_read.recv(64)
+                    elif kind == "accept" and self.listener is not None:
                         if self._accept() == "stop":
                             self._stop_listening()  # the runs under way finish; no new one starts
                     elif kind == "exit":
                         self._reap(data)
-                    else:
+                    elif kind == "client":
                         self._from_client(data)
+                if self.terminating:
+                    self._end_runs()
                 last = time.monotonic()
         finally:
             if os.getpid() == self.pid:
                 self._close()
+
+    def _terminate(self, _signum: int, _frame: object) -> None:
+        self.terminating = True  # acted on in the loop (the wakeup descriptor ends its select)
+
+    def _end_runs(self) -> None:
+        """SIGTERM: no new run; the runs under way get it too (their kvsnap hears how they ended)."""
+        self._stop_listening()
+        for pid, run in self.children.items():
+            if run.go is not None:  # not started: it exits without running anything
+                os.close(run.go)
+                run.go = None
+            _terminate_child(pid)
 
     def _accept(self) -> str | None:
         try:
@@ -177,52 +178,89 @@ class Server:
             return None
         fds: list[int] = []
         try:
-            conn.settimeout(ACCEPT_TIMEOUT)
-            if warm.peer_uid(conn) != os.getuid():
-                conn.close()
-                return None
-            msg, fds, _flags, _addr = socket.recv_fds(conn, 1, 3)
-            request = warm.recv_frame(conn)
-            if not isinstance(request, dict):
-                raise warm.WarmError("not a request")
-            op = request.get("op")
+            deadline = time.monotonic() + REQUEST_TIMEOUT
+            conn.settimeout(REQUEST_TIMEOUT)
+            peer_pid, peer_uid = warm.peer(conn)
+            if peer_uid != os.getuid():
+                raise warm.WarmError("another user")
+            request, fds = warm.recv_frame(conn, max_fds=4)
+            conn.settimeout(max(0.01, deadline - time.monotonic()))
+            op = request.get("op") if isinstance(request, dict) else None
             if op == "status":
                 warm.send_frame(conn, self._status())
-                conn.close()
                 return None
             if op == "stop":
                 warm.send_frame(conn, {"pid": self.pid, "stopping": True, "running": len(self.children)})
-                conn.close()
                 return "stop"
-            if op != "run" or msg != b"R" or len(fds) != 3 or request.get("key") != self.key:
-                warm.send_frame(conn, {"refused": "another environment" if op == "run" else f"op {op!r}"})
-                raise warm.WarmError("refused")
-            go_read, go_write = os.pipe()
-            pid = os.fork()
-            if pid == 0:
-                os.close(go_write)
-                self._in_child(conn)
-                raise _Child(request, fds, go_read)
-            os.close(go_read)
-            pidfd = os.pidfd_open(pid)
-            self.children[pid] = _Run(conn, pidfd, go_write)
-            self.sel.register(pidfd, selectors.EVENT_READ, ("exit", pid))
-            self.sel.register(conn, selectors.EVENT_READ, ("client", pid))
-            conn.settimeout(ACCEPT_TIMEOUT)
-            warm.send_frame(conn, {"pid": pid})
+            refusal = self._refusal(op, request, fds, peer_pid)
+            if refusal:
+                warm.send_frame(conn, {"refused": refusal})
+                return None
+            self._fork(conn, request, fds)
+            conn = None  # the run's now
         except _Child:
             raise
         except (OSError, warm.WarmError, ValueError):
-            if not any(conn is run.conn for run in self.children.values()):
-                conn.close()
+            pass
         finally:
             if os.getpid() == self.pid:
                 for fd in fds:
                     os.close(fd)
+                if conn is not None:
+                    conn.close()
         return None
 
+    def _refusal(self, op: object, request: dict, fds: list[int], peer_pid: int) -> str | None:
+        if op != "run" or len(fds) != 4:
+            return f"not a run ({op!r})"
+        if request.get("key") != self.key:
+            return "another environment"
+        try:
+            if warm.context(peer_pid) != self.context:
+                return "another context (namespaces, cgroup, groups, CPU set, limits or niceness)"
+        except OSError:
+            return "a context that cannot be read"
+        return None
+
+    def _fork(self, conn: socket.socket, request: dict, fds: list[int]) -> None:
+        go_read, go_write = os.pipe()
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
+        try:
+            pid = os.fork()
+        except OSError:
+            os.close(go_read)
+            os.close(go_write)
+            raise
+        finally:
+            if os.getpid() == self.pid:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        if pid == 0:
+            os.close(go_write)
+            self._in_child(conn)
+            raise _Child(request, fds, go_read)
+        os.close(go_read)
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            os.close(go_write)  # the child sees no go and exits
+            os.waitpid(pid, 0)
+            raise
+        run = self.children[pid] = _Run(conn, pidfd, go_write)
+        self.sel.register(pidfd, selectors.EVENT_READ, ("exit", pid))
+        self.sel.register(conn, selectors.EVENT_READ, ("client", pid))
+        try:
+            warm.send_frame(conn, {"pid": pid}, [pidfd])
+        except OSError:  # that kvsnap is gone: no go will come; the child exits, and is reaped
+            os.close(go_write)
+            run.go = None
+            self.sel.unregister(conn)
+
     def _in_child(self, conn: socket.socket) -> None:
-        """Close in a new child what is the server's: its sockets, pidfds, lock and selector."""
+        """Close in a new child what is the server's: its sockets, pidfds, pipes, lock and selector."""
+        signal.set_wakeup_fd(-1)
+        for sel_key in list(self.sel.get_map().values()):
+            if sel_key.data[0] == "wake":
+                sel_key.fileobj.close()
         self.sel.close()
         for run in self.children.values():
             run.conn.close()
@@ -235,7 +273,9 @@ class Server:
         os.close(self.lock_fd)
 
     def _reap(self, pid: int) -> None:
-        run = self.children.pop(pid)
+        run = self.children.pop(pid, None)
+        if run is None:
+            return
         self.sel.unregister(run.pidfd)
         os.close(run.pidfd)
         if run.go is not None:
@@ -249,7 +289,9 @@ class Server:
 
     def _from_client(self, pid: int) -> None:
         """A run's connection is readable: its go, or it closed (its ``kvsnap run`` is gone) or broke protocol."""
-        run = self.children[pid]
+        run = self.children.get(pid)
+        if run is None:
+            return
         if run.go is not None:
             passed = False
             with contextlib.suppress(OSError):
@@ -264,8 +306,7 @@ class Server:
             self.sel.unregister(run.conn)  # no go: the child exits without running anything
             return
         self.sel.unregister(run.conn)
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGTERM)
+        _terminate_child(pid)
 
     def _status(self) -> dict:
         return {
@@ -282,7 +323,7 @@ class Server:
     def _stop_listening(self) -> None:
         if self.listener is None:
             return
-        with contextlib.suppress(KeyError, ValueError):
+        with contextlib.suppress(KeyError, ValueError, AttributeError):
             self.sel.unregister(self.listener)
         with contextlib.suppress(OSError):
             if os.stat(self.path).st_ino == self.inode:  # a newer server's socket is not ours to remove
@@ -295,57 +336,10 @@ class Server:
         warm.unlock(self.lock_path, self.lock_fd)
 
 
-_numpy_threads = 1
-
-
-def _preload() -> float:
-    """Import PRELOAD (``_check_threads`` then checks they started no thread)."""
-    import importlib
-
-    global _numpy_threads
-    start = time.perf_counter()
-    importlib.import_module(PRELOAD[0])
-    # numpy's OpenBLAS starts its workers at import; it stops them around a fork (pthread_atfork).
-    _numpy_threads = _native_threads()
-    for name in PRELOAD[1:]:
-        importlib.import_module(name)
-    return time.perf_counter() - start
-
-
-def _parse_ahead(models: list[str]) -> list[str]:
-    """Parse the tokenizers of ``models`` that are ready on disk (a folder, or the default model once
-    converted; nothing is installed or converted here), for every child to find parsed. Returns the
-    models whose tokenizer was."""
-    from kvsnap.config import DEFAULT_MODEL
-    from kvsnap.errors import KvsnapError
-    from kvsnap.models import resolve
-    from kvsnap.models.plain_tokenizer import parse_ahead
-
-    parsed = []
-    for spec in models:
-        folder = resolve.kvsnap_home() / "models" / DEFAULT_MODEL if spec == DEFAULT_MODEL else Path(spec)
-        try:
-            ready = resolve.is_ready(folder) if spec == DEFAULT_MODEL else (folder / "config.json").is_file()
-            if ready and parse_ahead(folder):
-                parsed.append(spec)
-        except (KvsnapError, OSError):
-            continue
-    return parsed
-
-
-def _check_threads() -> None:
-    """Refuse to serve if anything but numpy's OpenBLAS started a thread (see the module's docstring)."""
-    if threading.active_count() != 1 or _native_threads() > _numpy_threads:
-        raise warm.WarmError(
-            f"{_native_threads()} threads after the imports ({_numpy_threads} after numpy's): a fork would lose them"
-        )
-
-
-def _native_threads() -> int:
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return threading.active_count()
+def _terminate_child(pid: int) -> None:
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGCONT)  # a run stopped by ^Z acts on it too
 
 
 def _detach_stdio() -> None:
@@ -354,48 +348,6 @@ def _detach_stdio() -> None:
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
     os.close(devnull)
-
-
-def _become(request: dict, fds: list[int]) -> None:
-    """Make this forked child the process ``kvsnap run`` would have been: its streams, folder,
-    environment, umask, arguments and signal handling."""
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
-        os.close(fd)
-    os.umask(int(request["umask"]))
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    sys.argv = list(request["argv"])
-    if sys.path:
-        sys.path[0] = request["path0"]
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    _reopen_stdio()
-    from cli import startup
-
-    startup.stamps.clear()  # stamps of the warm process's own start are not this run's
-    startup.stamp("cli")
-
-
-def _reopen_stdio() -> None:
-    """New text streams on descriptors 0-2, made as the interpreter makes them at its start: in the
-    encoding, and buffered (or not: ``-u``, PYTHONUNBUFFERED) as this environment made the warm
-    process's own; line-buffered on a terminal, stderr always."""
-    buffered = not sys.stdout.write_through
-    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
-        old = getattr(sys, name)
-        raw = open(fd, mode + "b", buffering=-1 if buffered or mode == "r" else 0, closefd=False)  # noqa: SIM115
-        stream = io.TextIOWrapper(
-            raw,
-            encoding=old.encoding,
-            errors=old.errors,
-            newline="\n",
-            line_buffering=buffered and mode == "w" and (fd == 2 or os.isatty(fd)),
-            write_through=not buffered and mode == "w",
-        )
-        setattr(sys, name, stream)
-        setattr(sys, f"__{name}__", stream)
 
 
 if __name__ == "__main__":

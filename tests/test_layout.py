@@ -47,6 +47,7 @@ TORCH_FREE = [
     "cli.main",
     "cli.app",
     "cli.warm",
+    "cli.warm_client",
     "cli.warm_cmd",
     "cli.batch",
     "cli.options",

@@ -8,6 +8,7 @@ without a hang; it goes away when idle or asked, leaving nothing behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -123,7 +124,7 @@ def test_streams_exit_codes_and_working_folder_are_the_runs(warm_up, primed, env
     batch = kvsnap(env, "run", "--model", model, "--batch", "-", input=jobs)  # stdin is the run's
     assert batch.returncode == 0, batch.stderr
     assert [json.loads(line)["new_tokens"] for line in batch.stdout.splitlines()] == [2, 1]
-    # A relative path is the caller's folder's, and the file is created with the caller's umask rules.
+    # A relative path is the caller's folder's (the folder itself is handed over, not its name).
     cmd = [sys.executable, "-m", "cli.main", "run", "--model", model, "--prompt", "hi", "--max-new-tokens", "1",
            "--save", "rel.kv"]  # fmt: skip
     rel = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, timeout=300)
@@ -132,13 +133,25 @@ def test_streams_exit_codes_and_working_folder_are_the_runs(warm_up, primed, env
     assert served(env) == before + 4
 
 
-def test_a_run_from_another_environment_runs_in_its_own_process(warm_up, primed, env):
+def test_a_run_from_another_environment_or_context_runs_in_its_own_process(warm_up, primed, env, tmp_path):
     model, _ = primed
+    hi = ("run", "--model", model, "--prompt", "hi", "--max-new-tokens", "1")
     before = served(env)
-    proc = kvsnap(env, "run", "--model", model, "--prompt", "hi", "--max-new-tokens", "1", KVSNAP_DEBUG="0")
+    proc = kvsnap(env, *hi, KVSNAP_DEBUG="0")  # a setting read at import
     assert proc.returncode == 0, proc.stderr
-    off = kvsnap(env, "run", "--model", model, "--prompt", "hi", "--max-new-tokens", "1", KVSNAP_WARM="0")
+    off = kvsnap(env, *hi, KVSNAP_WARM="0")
     assert off.returncode == 0, off.stderr
+    # Another niceness (or CPU set, limits, cgroup, namespaces): the warm process refuses, the run runs here.
+    niced = subprocess.run(
+        ["nice", "-n", "5", sys.executable, "-m", "cli.main", *hi], cwd=ROOT, env=env, capture_output=True, timeout=300
+    )
+    assert niced.returncode == 0, niced.stderr
+    # An argument naming a descriptor of the caller's own: only 0-2 are handed over.
+    (tmp_path / "p.txt").write_text("alpha beta")
+    with open(tmp_path / "p.txt") as f:
+        cmd = [sys.executable, "-m", "cli.main", "run", "--model", model, "--prompt-file", f"/dev/fd/{f.fileno()}"]
+        named = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, timeout=300, pass_fds=(f.fileno(),))
+    assert named.returncode == 0 or b"not a regular file" in named.stderr, named.stderr
     assert served(env) == before
 
 
@@ -182,16 +195,70 @@ def test_interrupt_reaches_the_run_and_a_dead_caller_ends_it(warm_up, primed, en
     assert _running(env) == 0
 
 
+def test_a_signal_the_caller_ignores_is_ignored_by_its_run(warm_up, primed, env):
+    # `nohup kvsnap run ... &`: a hangup must not end the run, in the warm process as in its own.
+    model, _ = primed
+    cmd = [sys.executable, "-m", "cli.main", "run", "--model", model, "--batch", "-"]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),
+    )  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write('{"prompt": "alpha", "max_new_tokens": 1}\n')
+    proc.stdin.flush()
+    assert json.loads(proc.stdout.readline())["new_tokens"] == 1
+    assert _running(env) == 1
+    proc.send_signal(signal.SIGHUP)
+    time.sleep(1)
+    proc.stdin.write('{"prompt": "beta", "max_new_tokens": 1}\n')  # still there: answers the next job
+    proc.stdin.flush()
+    assert json.loads(proc.stdout.readline())["new_tokens"] == 1
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+
+
+def test_a_terminated_warm_process_ends_its_runs_and_says_how(own_env, primed):
+    model, _ = primed
+    started = kvsnap(own_env, "warm", "start", "--json")
+    assert started.returncode == 0, started.stdout + started.stderr
+    server = json.loads(started.stdout)["pid"]
+    try:
+        proc = _start_batch(own_env, model)
+        assert _running(own_env) == 1
+        os.kill(server, signal.SIGTERM)  # logout, shutdown: the runs get it too, and their kvsnap hears it
+        proc.wait(timeout=60)
+        assert proc.returncode == -signal.SIGTERM
+        assert proc.stderr is not None and "lost the warm process" not in proc.stderr.read()
+        deadline = time.monotonic() + 30
+        while _alive(server) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(server)
+        assert list((Path(own_env["XDG_RUNTIME_DIR"]) / "kvsnap-warm").iterdir()) == []
+    finally:
+        _kill(server)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (reaped by init later) counts as gone.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
 def test_a_dead_warm_process_leaves_runs_to_their_own_process_and_is_pruned(own_env, primed):
     model, _ = primed
     # A socket nobody listens on, under the runs' own key: what a killed warm process leaves.
-    probe = subprocess.run(
-        [sys.executable, "-c", "from cli import warm; print(warm.key())"],
-        cwd=ROOT, env=own_env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
     folder = Path(own_env["XDG_RUNTIME_DIR"]) / "kvsnap-warm"
     folder.mkdir(mode=0o700)
-    dead = folder / f"{probe.stdout.strip()}.sock"
+    dead = folder / f"{_key(own_env)}.sock"
     stale = socket.socket(socket.AF_UNIX)
     stale.bind(str(dead))
     stale.close()
@@ -208,24 +275,60 @@ def test_a_folder_that_is_not_the_users_alone_is_never_used(own_env, primed, tmp
     os.chmod(folder, 0o755)
     start = kvsnap(own_env, "warm", "start")
     assert start.returncode == 1 and "needs ours, 0700" in start.stderr, start.stderr
+    # Someone listening there, under the runs' key: a run never even connects.
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(folder / f"{_key(own_env)}.sock"))
+    listener.listen(1)
+    listener.setblocking(False)
     run = kvsnap(own_env, "run", "--model", model, "--prompt", "hi", "--max-new-tokens", "1")
     assert run.returncode == 0, run.stderr
+    with pytest.raises(BlockingIOError):
+        listener.accept()
+    listener.close()
+    (folder / f"{_key(own_env)}.sock").unlink()
     folder.rmdir()
     folder.symlink_to(tmp_path)  # a link, even to a folder of ours: refused
     start = kvsnap(own_env, "warm", "start")
     assert start.returncode == 1 and "not a folder" in start.stderr, start.stderr
 
 
-def test_an_idle_warm_process_exits_and_removes_its_files(own_env):
-    started = kvsnap(own_env, "warm", "start", "--idle", "1", "--json")
-    assert started.returncode == 0, started.stdout + started.stderr
-    again = kvsnap(own_env, "warm", "start", "--json")  # the one up is reported, not a second
-    assert json.loads(again.stdout)["already"] is True
+def test_a_warm_process_stopped_or_idle_leaves_nothing_behind(own_env):
     folder = Path(own_env["XDG_RUNTIME_DIR"]) / "kvsnap-warm"
-    deadline = time.monotonic() + 30
-    while list(folder.iterdir()) and time.monotonic() < deadline:
+    started = kvsnap(own_env, "warm", "start", "--json")
+    assert started.returncode == 0, started.stdout + started.stderr
+    first = json.loads(started.stdout)["pid"]
+    try:
+        again = kvsnap(own_env, "warm", "start", "--json")  # the one up is reported, not a second
+        assert json.loads(again.stdout) | {"already": True} == json.loads(again.stdout)
+        assert json.loads(again.stdout)["pid"] == first
+        stopped = kvsnap(own_env, "warm", "stop", "--json")
+        assert [p["pid"] for p in json.loads(stopped.stdout)["stopped"]] == [first]
+        _wait_gone(first, folder)
+    finally:
+        _kill(first)
+    started = kvsnap(own_env, "warm", "start", "--idle", "4", "--json")
+    idle = json.loads(started.stdout)["pid"]
+    try:
+        _wait_gone(idle, folder)  # no run for 4 s: it went by itself
+    finally:
+        _kill(idle)
+    nan = kvsnap(own_env, "warm", "start", "--idle", "nan")
+    assert nan.returncode != 0 and list(folder.iterdir()) == []
+
+
+def _wait_gone(pid: int, folder: Path) -> None:
+    deadline = time.monotonic() + 60
+    while (_alive(pid) or list(folder.iterdir())) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert list(folder.iterdir()) == []  # its socket and lock are gone
+    assert not _alive(pid) and list(folder.iterdir()) == []  # its socket and lock are gone too
+
+
+def _key(env: dict) -> str:
+    """The key of runs in ``env`` (computed in such a process)."""
+    code = "from cli import warm; print(warm.key())"
+    probe = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert probe.returncode == 0, probe.stderr
+    return probe.stdout.strip()
 
 
 def test_the_key_follows_what_imports_fix(monkeypatch, tmp_path):
@@ -236,13 +339,16 @@ def test_the_key_follows_what_imports_fix(monkeypatch, tmp_path):
     monkeypatch.delenv("KVSNAP_PACK")
     monkeypatch.setenv("SOME_OTHER_VARIABLE", "1")  # not read at import: same processes
     assert warm.key() == base
-    source = ROOT / "cli" / "warm.py"
+    sources = tmp_path / "src"
+    shutil.copytree(ROOT / "cli", sources / "cli", copy_function=shutil.copy2)
+    shutil.copytree(ROOT / "kvsnap", sources / "kvsnap", copy_function=shutil.copy2)
+    monkeypatch.setattr(warm, "_SOURCES", sources)
+    copied = warm.key()
+    assert copied != base  # another checkout, even with the same files and times
+    source = sources / "cli" / "warm.py"
     st = source.stat()
     os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # kvsnap's code changed
-    try:
-        assert warm.key() != base
-    finally:
-        os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert warm.key() != copied
 
 
 def test_only_run_is_handed_over():
@@ -262,20 +368,19 @@ def test_a_run_whose_kvsnap_gives_up_before_its_go_never_runs(warm_up, primed, e
     # A `kvsnap run` that timed out waiting for the warm process runs the command itself: the child
     # the warm process forked for it must not run it a second time.
     model, _ = primed
-    probe = subprocess.run(
-        [sys.executable, "-c", "from cli import warm; print(warm.key())"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=True,
-    )  # fmt: skip
-    key = probe.stdout.strip()
+    key = _key(env)
     target = tmp_path / "twice.kv"
     argv = ["kvsnap", "run", "--model", model, "--prompt", "hi", "--max-new-tokens", "1", "--save", str(target)]
-    request = {"op": "run", "key": key, "argv": argv, "path0": "", "cwd": str(tmp_path), "env": env, "umask": 0o22}
+    request = {"op": "run", "key": key, "argv": argv, "path0": "", "env": env, "umask": 0o22, "ignored": [], "mask": []}
     before = served(env)
     sock = warm.connect(Path(env["XDG_RUNTIME_DIR"]) / "kvsnap-warm" / f"{key}.sock")
+    cwd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     with open(os.devnull, "rb") as null_in, open(os.devnull, "wb") as null_out:
-        socket.send_fds(sock, [b"R"], [null_in.fileno(), null_out.fileno(), null_out.fileno()])
-        warm.send_frame(sock, request)
-        assert isinstance(warm.recv_frame(sock)["pid"], int)  # forked, waiting for the go
+        warm.send_frame(sock, request, [null_in.fileno(), null_out.fileno(), null_out.fileno(), cwd])
+        reply, fds = warm.recv_frame(sock, max_fds=1)
+        assert isinstance(reply["pid"], int) and len(fds) == 1  # forked, waiting for the go
+    os.close(cwd)
+    os.close(fds[0])
     sock.close()  # gave up
     deadline = time.monotonic() + 30
     while _running(env) and time.monotonic() < deadline:
