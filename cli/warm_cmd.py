@@ -98,12 +98,16 @@ def start(
 
 @app.command("stop")
 @guarded
-def stop(json_out: Json = False) -> None:
-    """Stop every warm process of this user (runs under way finish first)."""
+def stop(
+    pid: Annotated[int | None, typer.Option(help="Stop only the warm process with this pid.")] = None,
+    json_out: Json = False,
+) -> None:
+    """Stop every warm process of this user, or the one given (runs under way finish first)."""
     stopped = []
     for path in _sockets():
         try:
-            stopped.append(warm.ask(path, "stop"))
+            if pid is None or warm.ask(path, "status").get("pid") == pid:
+                stopped.append(warm.ask(path, "stop"))
         except warm.WarmError:
             continue
     if json_out:
