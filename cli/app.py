@@ -69,4 +69,6 @@ for name, command in commands:
 for command in store_cmd.app.registered_commands:
     command.help = unwrap(command.help or command.callback.__doc__)
 app.add_typer(store_cmd.app, name="store")
-app.add_typer(warm_cmd.app, name="warm")
+app.add_typer(
+    warm_cmd.app, name="warm", short_help="Keep torch imported in a warm process, so each `kvsnap run` starts at once."
+)
