@@ -20,8 +20,6 @@ def __getattr__(name: str) -> Any:
 
 
 def main() -> None:
-    startup.own_process = True
-    startup.stamp("main")
     import sys
 
     from cli import warm_client
@@ -33,7 +31,7 @@ def main() -> None:
 def run_here() -> None:
     """Run the command line in this process (``main``, or a warm process's child)."""
     startup.own_process = True
-    startup.stamp("main")  # a warm process's child starts here
+    startup.stamp("main")
     from cli.app import app
 
     try:

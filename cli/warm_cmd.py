@@ -84,8 +84,9 @@ def start(
     if fields[0] != "ready" or len(fields) != 5:
         proc.kill()
         proc.wait()
-        said = line.strip() or output.strip().splitlines()[-1:] or ["it exited"]
-        raise WarmStartError(f"the warm process did not start: {said if isinstance(said, str) else said[0]}")
+        tail = output.strip().splitlines()
+        said = line.strip() or (tail[-1] if tail else "it exited")
+        raise WarmStartError(f"the warm process did not start: {said}")
     _, pid, imports_s, key, parsed = fields
     if key != warm.key():
         # It imported another way than this process would (a relative PYTHONPATH, say): it would serve no run.
@@ -176,12 +177,12 @@ def _ready_line(proc: subprocess.Popen, ready: int) -> tuple[str, str]:
     assert proc.stdout is not None
     sel = selectors.DefaultSelector()
     sel.register(ready, selectors.EVENT_READ, "ready")
-    sel.register(proc.stdout, selectors.EVENT_READ, "output")
+    sel.register(proc.stdout.fileno(), selectors.EVENT_READ, "output")
     deadline = time.monotonic() + START_TIMEOUT
     line, output, open_ = b"", b"", 2
     while b"\n" not in line and open_ and time.monotonic() < deadline:
         for sel_key, _ in sel.select(deadline - time.monotonic()):
-            chunk = os.read(sel_key.fileobj if isinstance(sel_key.fileobj, int) else sel_key.fileobj.fileno(), 65536)
+            chunk = os.read(sel_key.fd, 65536)
             if not chunk:
                 sel.unregister(sel_key.fileobj)
                 open_ -= 1

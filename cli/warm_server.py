@@ -123,7 +123,8 @@ class Server:
 
     def serve(self, ready: int) -> None:
         self.sel = selectors.DefaultSelector()
-        wake_read, wake_write = socket.socketpair()
+        self.wake = socket.socketpair()  # (read, write): a signal's byte wakes the select
+        wake_read, wake_write = self.wake
         wake_read.setblocking(False)
         wake_write.setblocking(False)
         signal.set_wakeup_fd(wake_write.fileno())
@@ -258,9 +259,8 @@ class Server:
     def _in_child(self, conn: socket.socket) -> None:
         """Close in a new child what is the server's: its sockets, pidfds, pipes, lock and selector."""
         signal.set_wakeup_fd(-1)
-        for sel_key in list(self.sel.get_map().values()):
-            if sel_key.data[0] == "wake":
-                sel_key.fileobj.close()
+        for end in self.wake:
+            end.close()
         self.sel.close()
         for run in self.children.values():
             run.conn.close()

@@ -56,7 +56,7 @@ def weights_digest(folder: Path) -> str:
     files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".gguf"))
     if not files:
         raise ModelError(f"{folder}: no weight files")
-    stamp = [[p.name, *_stamp(p.stat())] for p in files]
+    stamp = [[p.name, *file_stamp(p.stat())] for p in files]
     key = hashlib.blake2b(str(folder.resolve()).encode(), digest_size=8).hexdigest()
     cache_file = kvsnap_home() / "digests" / f"{key}.json"
     try:
@@ -79,7 +79,8 @@ def weights_digest(folder: Path) -> str:
     return digest
 
 
-def _stamp(st: os.stat_result) -> list[int]:
+def file_stamp(st: os.stat_result) -> list[int]:
+    """A file's identity and times: any write changes it (its ctime), whatever it does to size and mtime."""
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 

@@ -96,7 +96,9 @@ def _identity(path: Path) -> tuple[int, ...]:
         return ()
     if not stat.S_ISREG(st.st_mode):
         return ()
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    from kvsnap.models.fingerprint import file_stamp
+
+    return tuple(file_stamp(st))
 
 
 class PlainTokenizer:
