@@ -75,9 +75,44 @@ def test_a_resume_over_packed_weights_equals_cold_and_skips_the_prefix(tiny_mode
     assert all(_packed(lm))
 
 
+BF16 = pytest.mark.skipif(not packing._native_bf16(), reason="this CPU has no bfloat16 instructions for oneDNN")
+
+
+@BF16
+def test_bfloat16_weights_are_packed_where_the_cpu_has_bfloat16_instructions(tiny_model_dir, forward_counter, tmp_path):
+    """--dtype bfloat16 on an AMX or AVX512-BF16 CPU: the same model to bfloat16 rounding, and a resume
+    over it still equals a cold run over it and skips the prefix."""
+    plain, lm = _load(tiny_model_dir, dtype="bfloat16"), _load(tiny_model_dir, dtype="bfloat16")
+    assert start_packing(lm)
+    (a_logits, a_kv), (b_logits, b_kv) = _run(plain, IDS), _run(lm, IDS)
+    assert all(_packed(lm)) and lm.model.packing.error is None
+    assert {m.packed.dtype for m in lm.model.modules() if isinstance(m, native.Linear)} == {torch.bfloat16}
+    for a, b in zip(a_logits, b_logits):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05)
+    torch.testing.assert_close(a_kv.float(), b_kv.float(), rtol=0.05, atol=0.05)
+
+    ids = list(range(5, 45))
+    path = tmp_path / "p.kv"
+    primer = Session(lm, block_size=8)
+    primer.prefill(ids[:27])
+    primer.save(path)
+    cold = Session(lm, block_size=8)
+    cold.prefill(ids)
+    resumed = Session(lm, block_size=8)
+    assert resumed.restore(path, ids).hit_tokens == 27
+    counter = forward_counter(lm)
+    resumed.prefill(ids)
+    assert counter.tokens == len(ids) - 27
+    # Chunks of another length sum in another order: bfloat16's tolerance, not float32's.
+    torch.testing.assert_close(resumed.last_logits.float(), cold.last_logits.float(), rtol=0.05, atol=0.05)
+
+
 def test_weights_are_packed_only_where_it_can_be_done(tiny_model_dir, monkeypatch):
-    assert not start_packing(_load(tiny_model_dir, dtype="bfloat16"))  # float32 only
-    assert packing.unsupported_reason(_load(tiny_model_dir, dtype="bfloat16").model) is not None
+    assert not start_packing(_load(tiny_model_dir, dtype="float16"))  # float32 and bfloat16 only
+    assert "float32 or bfloat16" in packing.unsupported_reason(_load(tiny_model_dir, dtype="float16").model)
+    monkeypatch.setattr(packing, "_native_bf16", lambda: False)  # an AVX2 CPU: oneDNN would emulate it
+    assert not start_packing(_load(tiny_model_dir, dtype="bfloat16"))
+    assert "no bfloat16 instructions" in packing.unsupported_reason(_load(tiny_model_dir, dtype="bfloat16").model)
     monkeypatch.setattr(packing, "ENABLED", False)  # KVSNAP_PACK=0
     lm = _load(tiny_model_dir)
     assert not start_packing(lm) and packing.unsupported_reason(lm.model) == "KVSNAP_PACK=0"

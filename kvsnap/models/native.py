@@ -85,9 +85,10 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout (kvsnap.models.packing)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The packed copy is of the float32 CPU weight: a model moved or cast since runs its own weight.
-        if self.packed is not None and x.dtype == torch.float32 and x.device.type == "cpu":
-            return packing.linear(x, self.packed, self.bias)
+        # The packed copy is of the CPU weight as packed: a model moved or cast since runs its own weight.
+        packed = self.packed
+        if packed is not None and x.dtype == packed.dtype == self.weight.dtype and x.device.type == "cpu":
+            return packing.linear(x, packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
