@@ -13,6 +13,9 @@ llama-cpp-python is not a kvsnap dependency; build it in its own folder and poin
 
     python3 -m venv /tmp/llvenv && /tmp/llvenv/bin/pip install llama-cpp-python
     .venv/bin/python benchmarks/llamacpp.py --llama-site /tmp/llvenv/lib/python3.11/site-packages
+
+``--no-extra-bufts`` runs llama.cpp without its repacked/AMX weight buffers (its AMX kernel segfaulted on
+an AMX VM); ``--also-dtype bfloat16`` adds a resume with the model in that dtype, on its own snapshots.
 """
 
 from __future__ import annotations
@@ -49,11 +52,23 @@ def gguf_path() -> Path:
 
 
 class LlamaCpp:
-    def __init__(self, site: str, n_ctx: int):
+    def __init__(self, site: str, n_ctx: int, extra_bufts: bool = True):
         sys.path.insert(0, site)
         import llama_cpp
+        import llama_cpp.llama_cpp as low
 
         self.lib = llama_cpp
+        if not extra_bufts:
+            # No weight repacking into ggml's extra buffer types (AMX, ...): on a VM whose AMX tiles
+            # ggml cannot use, its AMX matmul segfaults in the first decode.
+            default = low.llama_model_default_params
+
+            def params():
+                p = default()
+                p.use_extra_bufts = False
+                return p
+
+            low.llama_model_default_params = params
         self.llm = llama_cpp.Llama(
             model_path=str(gguf_path()), n_ctx=n_ctx, n_threads=os.cpu_count(), n_batch=512, verbose=False
         )
@@ -112,12 +127,26 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096])
     parser.add_argument("--llama-site", required=True, help="site-packages folder holding llama_cpp")
     parser.add_argument("--cold-repeats", type=int, default=1, help="cold prefills are long: fewer of them")
+    parser.add_argument(
+        "--no-extra-bufts",
+        action="store_true",
+        help="llama.cpp without its extra buffer types (AMX, repacked weights): where its AMX kernel crashes",
+    )
+    parser.add_argument(
+        "--also-dtype",
+        choices=["bfloat16", "float16"],
+        help="also resume with the model in this dtype (its own snapshots; packed where the CPU allows)",
+    )
     model_arguments(parser)
     args = parser.parse_args()
     lm = load_model(args.model, device="cpu", dtype=args.dtype)
     # The same model, its weights left as the file has them: what packing bought, side by side.
     unpacked = load_model(args.model, device="cpu", dtype=args.dtype) if start_packing(lm) else None
-    cpp = LlamaCpp(args.llama_site, n_ctx=max(args.lengths) + 64)
+    other = load_model(args.model, device="cpu", dtype=args.also_dtype) if args.also_dtype else None
+    if other is not None:
+        start_packing(other)
+        Session(other).run(document(other.tokenizer, 64), ONE)
+    cpp = LlamaCpp(args.llama_site, n_ctx=max(args.lengths) + 64, extra_bufts=not args.no_extra_bufts)
     Session(lm).run(document(lm.tokenizer, 64), ONE)  # warm up both (and wait for the packing)
     cpp.cold(document(lm.tokenizer, 64))
     rows = []
@@ -136,9 +165,17 @@ def main() -> None:
             raw_primer.save(raw)
             del raw_primer
             cpp.save(prefix, state)
+            other_kv = Path(tmp) / f"doc{n}-{args.also_dtype}.kv"
+            if other is not None:
+                primer = Session(other)
+                primer.prefill(prefix)
+                primer.save(other_kv)
+                del primer
             res = {"cpp": [], "kvsnap": [], "kvsnap_restore": [], "kvsnap_suffix": [], "kvsnap_raw": []}
             if unpacked is not None:
                 res["kvsnap_unpacked"], res["kvsnap_unpacked_suffix"] = [], []
+            if other is not None:
+                res["kvsnap_other"], same_first = [], []
             for _ in range(args.repeats + 1):  # the first round warms page cache and pools: not kept
                 res["cpp"].append(cpp.resume(state, ids, len(prefix)))
                 result = Session(lm).run(ids, ONE, resume=kv)
@@ -150,6 +187,11 @@ def main() -> None:
                 warm.restore(kv, ids)
                 res["kvsnap_suffix"].append(warm.run(ids, ONE).ttft_s)
                 del warm
+                if other is not None:
+                    theirs = Session(other).run(ids, ONE, resume=other_kv)
+                    assert theirs.prefill_tokens == SUFFIX, theirs
+                    res["kvsnap_other"].append(theirs.ttft_s)
+                    same_first.append(theirs.text == result.text)
                 # The same resume from a file written with --codec raw (no decompression).
                 res["kvsnap_raw"].append(Session(lm).run(ids, ONE, resume=raw).ttft_s)
                 if unpacked is not None:
@@ -172,6 +214,10 @@ def main() -> None:
             row["kvsnap_raw_vs_cpp"] = row["kvsnap_raw_resume_s"] / row["cpp_resume_s"]
             if unpacked is not None:
                 row["kvsnap_unpacked_vs_cpp"] = row["kvsnap_unpacked_resume_s"] / row["cpp_resume_s"]
+            if other is not None:
+                row["kvsnap_other_vs_cpp"] = row["kvsnap_other_resume_s"] / row["cpp_resume_s"]
+                row["other_kv_mb"] = other_kv.stat().st_size / 1e6
+                row["other_same_first_token"] = all(same_first)
             rows.append(row)
             print(
                 f"  {n}: llama.cpp {row['cpp_resume_s']:.3f} s, kvsnap {row['kvsnap_resume_s']:.3f} s", file=sys.stderr
@@ -190,6 +236,16 @@ def main() -> None:
         ("kvsnap_unpacked_vs_cpp", "unpacked/llama.cpp", ".2f"),
         ("kvsnap_raw_resume_s", "kvsnap raw-codec resume s", ".3f"),
         ("kvsnap_raw_vs_cpp", "raw/llama.cpp", ".2f"),
+        *(
+            [
+                ("kvsnap_other_resume_s", f"kvsnap {args.also_dtype} resume s", ".3f"),
+                ("kvsnap_other_vs_cpp", f"{args.also_dtype}/llama.cpp", ".2f"),
+                ("other_same_first_token", "same first token as float32", ""),
+                ("other_kv_mb", f"{args.also_dtype} .kv MB", ".0f"),
+            ]
+            if other is not None
+            else []
+        ),
         ("cpp_cold_s", "llama.cpp cold s", ".2f"),
         ("kvsnap_cold_s", "kvsnap cold s", ".2f"),
         ("cpp_state_mb", "state file MB", ".0f"),
@@ -199,12 +255,17 @@ def main() -> None:
     info = machine()
     print(describe(info))
     print(
-        f"llama.cpp: {gguf_path().name}, f16 KV, {os.cpu_count()} threads; kvsnap: {args.model} {lm.layout.dtype} "
+        f"llama.cpp: {gguf_path().name}, f16 KV, {os.cpu_count()} threads"
+        f"{', no extra buffer types' if args.no_extra_bufts else ''}; "
+        f"kvsnap: {args.model} {lm.layout.dtype} "
         f"({forward_kind(lm)}); "
         f"{SUFFIX}-token suffix; resume: median of {args.repeats} after a warm-up round, cold: {args.cold_repeats}"
     )
     print(table(rows, cols))
-    path = write_json("llamacpp", {"machine": info, "model": args.model, "backend": lm.backend, "rows": rows})
+    meta = {"machine": info, "model": args.model, "backend": lm.backend, "forward": forward_kind(lm)}
+    if other is not None:
+        meta["also_dtype"], meta["also_forward"] = args.also_dtype, forward_kind(other)
+    path = write_json("llamacpp", {**meta, "rows": rows})
     print(f"wrote {path}")
 
 
