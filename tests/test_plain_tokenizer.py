@@ -1,8 +1,8 @@
 """kvsnap.models.plain_tokenizer: tokenizer.json on the tokenizers library, for a process without transformers.
 
 It must give what transformers' own tokenizer of the folder gives (ids, offsets, decoded text,
-special tokens, rendered chat templates), take only folders where that holds by construction,
-and keep transformers out of a native process that runs a raw prompt (tests/test_native.py).
+special tokens; chat templates: tests/test_chat_jinja.py), take only folders where that holds by
+construction, and keep transformers out of a native process that runs a raw prompt (tests/test_native.py).
 """
 
 from __future__ import annotations
@@ -68,19 +68,6 @@ def test_the_plain_tokenizer_is_transformers_tokenizer(tiny_model_dir):
     assert_same_tokenizer(plain, AutoTokenizer.from_pretrained(str(folder)))
 
 
-def test_chat_templates_render_through_transformers_own_tokenizer(tiny_lm):
-    from kvsnap.engine.chat_template import render_chat
-
-    lm = tiny_lm("llama")
-    assert isinstance(lm.tokenizer, PlainTokenizer)
-    messages = [{"role": "user", "content": "hello <|im_end|> world"}, {"role": "assistant", "content": "hi"}]
-    ids = render_chat(lm, messages)
-    full = lm.tokenizer.full  # loaded on first use: transformers' TokenizersBackend of the same folder
-    assert type(full).__name__ == "TokenizersBackend"
-    text = full.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert lm.tokenizer.decode(ids) == text  # the typed <|im_end|> stayed text, yet decodes the same
-
-
 @pytest.mark.parametrize(
     "change",
     [
@@ -125,10 +112,12 @@ def test_the_default_models_plain_tokenizer_is_transformers_tokenizer():
     assert_same_tokenizer(plain, AutoTokenizer.from_pretrained(str(folder)))
 
 
-def test_preload_loads_transformers_tokenizer_in_the_background(tiny_model_dir):
+def test_preload_loads_transformers_tokenizer_in_the_background_where_it_renders_the_template(tiny_model_dir):
+    """A template kvsnap.models.chat_jinja leaves to transformers (tests/test_chat_jinja.py: the others)."""
     import threading
 
     plain = plain_tokenizer(tiny_model_dir("llama"))
+    plain.chat_template = "{% generation %}{{ messages[0]['content'] }}{% endgeneration %}"
     assert plain._full is None
     plain.preload()  # what `kvsnap chat` and `kvsnap serve` do once the model is loaded
     for thread in threading.enumerate():

@@ -7,9 +7,9 @@ transformers building its lazy module table), for a raw prompt that only needs `
 give the same ids and text, provided transformers would leave that tokenizer as the file writes
 it: ``plain_tokenizer`` takes only such a folder (no truncation or padding, every named special
 token already a special added token, no extra special tokens or files, a vocabulary under the
-size transformers patches). Everything else, chat templates first of all, goes to the real
-transformers tokenizer, loaded on first use (``full``), so templates render through transformers'
-own sandbox exactly as before.
+size transformers patches). A plain chat's template renders through ``kvsnap.models.chat_jinja``,
+transformers' sandbox rebuilt on jinja2. Everything else goes to the real transformers tokenizer,
+loaded on first use (``full``).
 """
 
 from __future__ import annotations
@@ -129,10 +129,31 @@ class PlainTokenizer:
             return self._full
 
     def preload(self) -> None:
-        """Load ``full`` in a background thread now (a chat will render its template soon: the
-        import then overlaps the user's typing instead of delaying the first answer)."""
-        if self._full is None:
-            threading.Thread(target=lambda: self.full, name="kvsnap-tokenizer", daemon=True).start()
+        """Make ready in a background thread now what renders the chat template (a chat will render it
+        soon: the work then overlaps the user's typing instead of delaying the first answer): the
+        compiled template, or ``full`` where transformers must render it."""
+        from kvsnap.models import chat_jinja
+
+        if self.chat_template and chat_jinja.supported(self.chat_template):
+            work = lambda: chat_jinja.compiled(self.chat_template)  # noqa: E731
+        elif self._full is None:
+            work = lambda: self.full  # noqa: E731
+        else:
+            return
+        threading.Thread(target=work, name="kvsnap-tokenizer", daemon=True).start()
+
+    def apply_chat_template(self, conversation, tokenize: bool = True, add_generation_prompt: bool = False, **kwargs):
+        """transformers' ``apply_chat_template``; a plain chat rendered as text (what kvsnap asks for)
+        renders here without transformers (``kvsnap.models.chat_jinja``)."""
+        from kvsnap.models import chat_jinja
+
+        template = self.chat_template
+        here = not tokenize and not kwargs and template and chat_jinja.supported(template)
+        if here and chat_jinja.plain(conversation):
+            return chat_jinja.render(template, conversation, add_generation_prompt, self.special_tokens_map)
+        return self.full.apply_chat_template(
+            conversation, tokenize=tokenize, add_generation_prompt=add_generation_prompt, **kwargs
+        )
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
