@@ -43,7 +43,7 @@ FEATURES = """{%- set ns = namespace(n=0) -%}
 {% endfor %}
 {{ eos_token }}|{{ pad_token }}|{{ unk_token }}|{{ bos_token }}|{{ tools }}|{{ documents }}|{{ add_generation_prompt }}
 """
-YEAR = "{{ strftime_now('%Y') }}:{{ messages | length }}"
+YEAR = "{{ strftime_now('%Y') | length }}:{{ messages | length }}"
 SANDBOX = "{{ messages.__class__ }}{{ ''.__class__ }}{{ messages[0].items() | list | length }}"
 NAMESPACE_ESCAPE = "{% set ns = namespace(_hidden=1) %}{{ ns }}"
 UNDEFINED_CALL = "{{ nothing_here() }}"
@@ -99,6 +99,8 @@ def test_templates_render_as_transformers_renders_them(template, full):
 
 def test_what_is_not_rendered_here_is_left_to_transformers(tiny_model_dir):
     assert not chat_jinja.supported("{% generation %}{{ messages[0].content }}{% endgeneration %}")
+    assert not chat_jinja.supported("{%+ generation +%}{{ messages[0].content }}{%- endgeneration -%}")
+    assert chat_jinja.supported("{% set generations = 1 %}{{ generation_prompt }}")
     assert not chat_jinja.plain([])
     assert not chat_jinja.plain([{"role": "user", "content": None}])
     assert not chat_jinja.plain([{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
@@ -111,6 +113,10 @@ def test_what_is_not_rendered_here_is_left_to_transformers(tiny_model_dir):
     text = plain.apply_chat_template(blocks, tokenize=False, add_generation_prompt=True)  # content blocks
     assert plain._full is not None  # transformers rendered it
     assert text == plain.full.apply_chat_template(blocks, tokenize=False, add_generation_prompt=True)
+    chat = CHATS[0]  # positional arguments are transformers' (tools, ...): passed on as they are
+    assert plain.apply_chat_template(chat, None, tokenize=False) == plain.full.apply_chat_template(
+        chat, None, tokenize=False
+    )
 
 
 def test_a_chat_over_the_plain_tokenizer_never_loads_transformers_tokenizer(tiny_lm):
@@ -142,20 +148,24 @@ def test_preload_compiles_the_template_and_leaves_transformers_alone(tiny_model_
     assert chat_jinja.compiled.cache_info().currsize == 1 and plain._full is None
 
 
-def test_a_chat_run_in_a_new_process_never_imports_transformers(tiny_model_dir):
-    """`kvsnap run --chat` renders its template with jinja2 only: no transformers import on its path."""
+@pytest.mark.parametrize("command", ["run", "chat"])
+def test_a_chat_in_a_new_process_never_imports_transformers(command, tiny_model_dir):
+    """`kvsnap run --chat` and `kvsnap chat` render their template with jinja2 only: no transformers import."""
+    model = ["--model", str(tiny_model_dir("llama")), "--max-new-tokens", "2", "--temperature", "0"]
+    args = ["run", *model, "--chat", "--prompt", "Hi", "--json"] if command == "run" else ["chat", *model]
     code = (
         "import atexit, sys\n"
         "atexit.register(lambda: print('transformers' in sys.modules, file=sys.stderr))\n"
         "from cli.main import main\n"
-        f"sys.argv = ['kvsnap', 'run', '--model', {str(tiny_model_dir('llama'))!r}, '--chat', '--prompt', 'Hi',"
-        " '--max-new-tokens', '2', '--json']\n"
+        f"sys.argv = ['kvsnap', *{args!r}]\n"
         "main()\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, input="Hi\n", capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr
     assert out.stderr.strip().splitlines()[-1] == "False", out.stderr
-    assert '"new_tokens": 2' in out.stdout
+    assert ('"new_tokens": 2' in out.stdout) if command == "run" else ("2 new" in out.stderr)
 
 
 @pytest.mark.slow

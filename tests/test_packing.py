@@ -75,17 +75,62 @@ def test_a_resume_over_packed_weights_equals_cold_and_skips_the_prefix(tiny_mode
     assert all(_packed(lm))
 
 
+def _count_packed_products(monkeypatch) -> list[torch.dtype]:
+    calls, real = [], packing.linear
+
+    def counted(x, packed, bias):
+        calls.append(packed.dtype)
+        return real(x, packed, bias)
+
+    monkeypatch.setattr(packing, "linear", counted)
+    return calls
+
+
+def test_a_model_cast_or_loaded_after_packing_runs_its_own_weights(tiny_model_dir, monkeypatch):
+    """The packed copy is of the weights as they were: after a cast (even back to float32) or an
+    in-place load, the forward runs the weights the model has now, and the stale copy is dropped."""
+    plain, lm = _load(tiny_model_dir), _load(tiny_model_dir)
+    assert start_packing(lm)
+    lm.model.packing.wait()
+    calls = _count_packed_products(monkeypatch)
+    _run(lm, IDS)
+    assert calls  # packed products ran
+    lm.model.to(torch.bfloat16).to(torch.float32)  # every weight rounded to bfloat16 and back
+    plain.model.to(torch.bfloat16).to(torch.float32)
+    calls.clear()
+    (a_logits, a_kv), (b_logits, b_kv) = _run(plain, IDS), _run(lm, IDS)
+    assert not calls and not any(_packed(lm))
+    for a, b in zip(a_logits, b_logits):
+        assert torch.equal(a, b)  # exactly the unpacked model of the rounded weights
+    assert torch.equal(a_kv, b_kv)
+
+    fresh = _load(tiny_model_dir)
+    assert start_packing(fresh)
+    fresh.model.packing.wait()
+    layer = fresh.model.model.layers[0].mlp.down_proj
+    with torch.no_grad():
+        layer.weight.mul_(0)  # loaded in place
+    calls.clear()
+    _run(fresh, IDS)
+    assert layer.packed is None and len(calls) == 4 * (len(_packed(fresh)) - 1)  # that layer alone unpacked
+
+
 BF16 = pytest.mark.skipif(not packing._native_bf16(), reason="this CPU has no bfloat16 instructions for oneDNN")
 
 
 @BF16
-def test_bfloat16_weights_are_packed_where_the_cpu_has_bfloat16_instructions(tiny_model_dir, forward_counter, tmp_path):
+def test_bfloat16_weights_are_packed_where_the_cpu_has_bfloat16_instructions(
+    tiny_model_dir, forward_counter, tmp_path, monkeypatch
+):
     """--dtype bfloat16 on an AMX or AVX512-BF16 CPU: the same model to bfloat16 rounding, and a resume
     over it still equals a cold run over it and skips the prefix."""
     plain, lm = _load(tiny_model_dir, dtype="bfloat16"), _load(tiny_model_dir, dtype="bfloat16")
     assert start_packing(lm)
+    lm.model.packing.wait()
+    calls = _count_packed_products(monkeypatch)
     (a_logits, a_kv), (b_logits, b_kv) = _run(plain, IDS), _run(lm, IDS)
     assert all(_packed(lm)) and lm.model.packing.error is None
+    assert len(calls) == 4 * len(_packed(lm)) and set(calls) == {torch.bfloat16}  # every product, 4 forwards
     assert {m.packed.dtype for m in lm.model.modules() if isinstance(m, native.Linear)} == {torch.bfloat16}
     for a, b in zip(a_logits, b_logits):
         torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05)

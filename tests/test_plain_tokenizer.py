@@ -97,6 +97,10 @@ def test_a_tokenizer_with_truncation_or_extra_files_is_left_to_transformers(tiny
     folder = shutil.copytree(src, tmp_path / "extra")
     (folder / "special_tokens_map.json").write_text(json.dumps({"bos_token": SPECIAL_TOKENS[0]}))
     assert plain_tokenizer(folder) is None
+    folder = shutil.copytree(src, tmp_path / "templates")  # transformers reads these too; a default.jinja wins
+    (folder / "additional_chat_templates").mkdir()
+    (folder / "additional_chat_templates" / "default.jinja").write_text("{{ messages[0]['content'] }}")
+    assert plain_tokenizer(folder) is None
     assert plain_tokenizer(shutil.copytree(src, tmp_path / "plain")) is not None
 
 

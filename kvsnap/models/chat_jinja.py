@@ -28,7 +28,7 @@ from typing import Any
 
 # transformers' names for a message's reasoning: it copies one to the others before rendering.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-_GENERATION_TAG = re.compile(r"\{%-?\s*(end)?generation\s*-?%\}")
+_GENERATION_TAG = re.compile(r"\{%[-+]?\s*(end)?generation\b")  # any whitespace control
 _MIN_JINJA = (3, 1, 6)
 
 

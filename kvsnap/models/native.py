@@ -83,12 +83,16 @@ class Linear(nn.Module):
         self.weight = _param(outputs, inputs)
         self.bias = _param(outputs) if bias else None
         self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout (kvsnap.models.packing)
+        self.packed_of: packing.Source | None = None  # the weight it was made from
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The packed copy is of the CPU weight as packed: a model moved or cast since runs its own weight.
-        packed = self.packed
-        if packed is not None and x.dtype == packed.dtype == self.weight.dtype and x.device.type == "cpu":
-            return packing.linear(x, packed, self.bias)
+        packed, source = self.packed, self.packed_of
+        if packed is not None and source is not None:
+            if source.matches(self.weight):
+                if x.dtype == packed.dtype:
+                    return packing.linear(x, packed, self.bias)
+            else:  # moved, cast (even back) or loaded since: the copy is stale, drop it
+                self.packed = self.packed_of = None
         return F.linear(x, self.weight, self.bias)
 
 

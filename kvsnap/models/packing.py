@@ -18,7 +18,8 @@ a failure anywhere (an op this torch build lacks, a result that disagrees with `
 model as it was, with the reason in ``error``. ``KVSNAP_PACK=0`` turns packing off. The packed copy
 is new memory (a cast model holds its weights in RAM too), so it is bounded (``MAX_PACKED_BYTES``). It
 is of the weights as they are when packing starts: pack a model once it is loaded and placed, never
-one whose weights will change (a model moved or cast since runs its own weights).
+one whose weights will change (a model moved, cast or loaded in place since runs its own weights, and
+drops the stale copy: ``Source``).
 """
 
 from __future__ import annotations
@@ -59,13 +60,27 @@ def unsupported_reason(model: Any) -> str | None:
 
 def _native_bf16() -> bool:
     # Without them oneDNN emulates bfloat16 (4x slower than float32 on an AVX2 CPU): nothing to win.
-    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return bool(probe is not None and probe())
+    # (torch.ops.mkldnn._is_mkldnn_bf16_supported says True for any AVX-512 CPU, emulation included.)
+    probes = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
+    return any(probe is not None and probe() for probe in probes)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` over the weight ``pack`` made."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class Source:
+    """The weight a packed copy was made from, as it was: a cast or a move gives the parameter other
+    memory (``model.to`` swaps ``param.data``), an in-place load bumps its version. The memory is held,
+    so no later allocation can take its address while the copy may be used."""
+
+    def __init__(self, weight: torch.Tensor):
+        self._held = weight.detach()  # shares the storage and the version counter
+        self._version = weight._version
+
+    def matches(self, weight: torch.Tensor) -> bool:
+        return weight.data_ptr() == self._held.data_ptr() and weight._version == self._version
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -103,6 +118,7 @@ class Packing:
             self.error = f"{type(exc).__name__}: {exc}"
             return
         for module, weight in zip(linears, packed):  # all at once: no forward sees a mix
+            module.packed_of = Source(module.weight)
             module.packed = weight
         self.done = True
 

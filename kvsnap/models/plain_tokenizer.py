@@ -14,6 +14,7 @@ loaded on first use (``full``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import threading
@@ -28,7 +29,13 @@ from kvsnap.paths import read_bounded
 _NAMED = ("bos_token", "eos_token", "unk_token", "pad_token")
 # tokenizer_config.json keys that do not change what TokenizersBackend does to the file's tokenizer.
 _INERT = {"backend", "tokenizer_class", "model_max_length", "is_local", "local_files_only", "chat_template"}
-_FILES_LEFT_TO_TRANSFORMERS = ("special_tokens_map.json", "added_tokens.json", "chat_templates")
+# additional_chat_templates/: transformers reads its templates too (a default.jinja there replaces the main one).
+_FILES_LEFT_TO_TRANSFORMERS = (
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_templates",
+    "additional_chat_templates",
+)
 _MAX_VOCAB = 100_000  # transformers rewrites the pre-tokenizer of larger vocabularies (its Mistral regex fix)
 # tokenizer.json files parsed ahead (``parse_ahead``, by a warm process: cli.warm_server), by the
 # file's identity. Parsing the default model's 3.4 MB file takes ~0.3 s; a process forked after
@@ -135,24 +142,33 @@ class PlainTokenizer:
         from kvsnap.models import chat_jinja
 
         if self.chat_template and chat_jinja.supported(self.chat_template):
-            work = lambda: chat_jinja.compiled(self.chat_template)  # noqa: E731
+            target = lambda: chat_jinja.compiled(self.chat_template)  # noqa: E731
         elif self._full is None:
-            work = lambda: self.full  # noqa: E731
+            target = lambda: self.full  # noqa: E731
         else:
             return
+
+        def work() -> None:
+            # A failure here is the render's to report, when the chat renders (not a traceback in the
+            # chat's terminal from this thread).
+            with contextlib.suppress(Exception):
+                target()
+
         threading.Thread(target=work, name="kvsnap-tokenizer", daemon=True).start()
 
-    def apply_chat_template(self, conversation, tokenize: bool = True, add_generation_prompt: bool = False, **kwargs):
+    def apply_chat_template(
+        self, conversation, *args, tokenize: bool = True, add_generation_prompt: bool = False, **kwargs
+    ):
         """transformers' ``apply_chat_template``; a plain chat rendered as text (what kvsnap asks for)
         renders here without transformers (``kvsnap.models.chat_jinja``)."""
         from kvsnap.models import chat_jinja
 
         template = self.chat_template
-        here = not tokenize and not kwargs and template and chat_jinja.supported(template)
+        here = not args and not tokenize and not kwargs and template and chat_jinja.supported(template)
         if here and chat_jinja.plain(conversation):
             return chat_jinja.render(template, conversation, add_generation_prompt, self.special_tokens_map)
         return self.full.apply_chat_template(
-            conversation, tokenize=tokenize, add_generation_prompt=add_generation_prompt, **kwargs
+            conversation, *args, tokenize=tokenize, add_generation_prompt=add_generation_prompt, **kwargs
         )
 
     def __getattr__(self, name: str) -> Any:
