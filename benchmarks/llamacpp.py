@@ -165,8 +165,8 @@ def main() -> None:
             raw_primer.save(raw)
             del raw_primer
             cpp.save(prefix, state)
-            other_kv = Path(tmp) / f"doc{n}-{args.also_dtype}.kv"
             if other is not None:
+                other_kv = Path(tmp) / f"doc{n}-{args.also_dtype}.kv"
                 primer = Session(other)
                 primer.prefill(prefix)
                 primer.save(other_kv)

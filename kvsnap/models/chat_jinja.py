@@ -45,8 +45,13 @@ def plain(messages: Any) -> bool:
 
 
 def supported(template: str) -> bool:
-    """Whether ``template`` renders here (else: through transformers)."""
-    if not isinstance(template, str) or _GENERATION_TAG.search(template):
+    """Whether ``template`` renders here (else: through transformers). Asked at every render: cached."""
+    return isinstance(template, str) and _supported(template)
+
+
+@lru_cache(maxsize=16)
+def _supported(template: str) -> bool:
+    if _GENERATION_TAG.search(template):
         return False
     try:
         import jinja2
