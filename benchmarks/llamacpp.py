@@ -4,7 +4,7 @@ The same tokens go to both (the GGUF of the default model shares its tokenizer),
 suffix follows a saved prefix, both on all cores of this CPU. llama.cpp (via the
 ``llama-cpp-python`` package, Q4_1 weights, f16 KV, its context created before the timer as it
 would be in a server) saves its state with ``llama_state_save_file`` and a resume is
-``llama_state_load_file`` + the suffix. kvsnap (float32 weights and KV) resumes in a warm process:
+``llama_state_load_file`` + the suffix. kvsnap (float32 weights and KV) resumes in a running process:
 ``Session.run(resume=...)``, restore + suffix, with its linear weights packed for oneDNN as a chat, a
 server or a batch packs them (``kvsnap/models/packing.py``); the same resume over the unpacked weights
 runs beside it. Runs alternate; medians and spread are reported.

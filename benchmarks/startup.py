@@ -12,12 +12,6 @@ user+sys time, which a busy machine inflates less than the wall time.
     .venv/bin/python benchmarks/startup.py                       # 512 2048 4096 tokens, 3 repeats
     .venv/bin/python benchmarks/startup.py --trees /tmp/base .   # before (a worktree) and after
     .venv/bin/python benchmarks/startup.py --backends native transformers   # KVSNAP_NATIVE=1 vs 0
-    .venv/bin/python benchmarks/startup.py --warm     # also each run handed to a warm process (cli.warm)
-
-With --warm, a warm process (`kvsnap warm start`, in a runtime folder of the benchmark's own) is
-started per tree before the first repeat, and "warm resume" / "warm cold" columns are the same runs
-handed to it (KVSNAP_WARM=1; the others run with KVSNAP_WARM=0). A warm run's "cpu" is its own
-process's alone (the forked child that does the work is the warm process's, not this script's).
 
 Imports in detail: `python -X importtime -m cli.main run ...` (transformers loads some of its
 modules past the import system, so their time shows under whoever asked for them).
@@ -48,8 +42,8 @@ _BOOT = "import sys; from cli.main import main; sys.argv[0] = 'kvsnap'; sys.exit
 
 # (stage, what it covers); the rows of each table, in the order a process meets them.
 STAGES = [
-    ("interpreter", "exec to the CLI's first import (python, site); warm: to the forked child's start"),
-    ("cli imports", "the entry point (cli.main) and the warm hand-over's check (cli.warm)"),
+    ("interpreter", "exec to the CLI's first import (python, site)"),
+    ("cli imports", "the entry point (kvsnap_cli.main)"),
     ("command line", "the app's imports (typer, rich, the command modules), then typer parses"),
     ("before load", "settings checks; an older tree imports torch/transformers here"),
     ("load: resolve", "model name to folder"),
@@ -109,35 +103,22 @@ def prepare(args, folder: Path) -> list[tuple[int, Path, Path]]:
     return made
 
 
-def run_env(tree: Path, backend: str | None, runtime: Path) -> dict[str, str]:
-    """The environment of every run from ``tree`` (and of its warm process: the same, so it serves them).
+def run_env(tree: Path, backend: str | None) -> dict[str, str]:
+    """The environment of every run from ``tree``.
 
     ``backend`` "native" or "transformers" sets KVSNAP_NATIVE (kvsnap.models.native) for the run."""
-    env = {**os.environ, "PYTHONPATH": str(tree), "KVSNAP_TIMINGS": "1", "XDG_RUNTIME_DIR": str(runtime)}
+    env = {**os.environ, "PYTHONPATH": str(tree), "KVSNAP_TIMINGS": "1"}
     if backend is not None:
         env["KVSNAP_NATIVE"] = "1" if backend == "native" else "0"
     return env
 
 
-def warm_command(tree: Path, env: dict[str, str], *args: str) -> dict[str, Any]:
-    """`kvsnap warm ARGS --json` from ``tree``: its JSON reply."""
-    cmd = [sys.executable, "-c", _BOOT, "warm", *args, "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{tree}: kvsnap warm {' '.join(args)} failed:\n{proc.stdout}{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout)
-
-
-def run_once(
-    tree: Path, args, text: Path, snap: Path | None, env: dict[str, str], warm: bool = False
-) -> dict[str, Any]:
-    """One `kvsnap run` in a new process from ``tree`` (handed to its warm process if ``warm``): its JSON
-    row, wall time and CPU time."""
+def run_once(tree: Path, args, text: Path, snap: Path | None, env: dict[str, str]) -> dict[str, Any]:
+    """One `kvsnap run` in a new process from ``tree``: its JSON row, wall time and CPU time."""
     cmd = [sys.executable, "-c", _BOOT, "run", "--prompt-file", str(text), "--max-new-tokens", "1", "--json"]
     cmd += ["--model", args.model, "--device", args.device, "--dtype", args.dtype]
     if snap is not None:
         cmd += ["--resume", str(snap), "--reuse", "load"]
-    env = {**env, "KVSNAP_WARM": "1" if warm else "0"}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     spawn = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree)
@@ -200,7 +181,6 @@ def main() -> None:
         choices=["native", "transformers"],
         help="run each tree once per model backend (KVSNAP_NATIVE=1 / 0), side by side",
     )
-    parser.add_argument("--warm", action="store_true", help="also hand each run to a warm process (cli.warm)")
     model_arguments(parser)
     args = parser.parse_args()
     tree_paths = [t.resolve() for t in args.trees]
@@ -213,34 +193,19 @@ def main() -> None:
         both = len(names) > 1
         variants = [(f"{n} {b}" if both else b, t, b) for n, t in zip(names, tree_paths) for b in args.backends]
     labels = [v[0] for v in variants]
-    modes = ("resume", "warm resume", "cold", "warm cold") if args.warm else ("resume", "cold")
+    modes = ("resume", "cold")
     columns = [(label, mode) for label in labels for mode in modes]
     runs: list[dict[str, Any]] = []
-    warmed: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory(prefix="kvb") as runtime:
+    with tempfile.TemporaryDirectory() as tmp:
         made = prepare(args, Path(tmp))
-        envs = {label: run_env(tree, backend, Path(runtime)) for label, tree, backend in variants}
-        try:
-            if args.warm:
+        envs = {label: run_env(tree, backend) for label, tree, backend in variants}
+        for r in range(args.repeats):
+            for n, text, snap in made:
                 for label, tree, _ in variants:
-                    warmed[label] = warm_command(tree, envs[label], "start", "--model", args.model)
-            for r in range(args.repeats):
-                for n, text, snap in made:
-                    for label, tree, _ in variants:
-                        for mode in modes:
-                            resumed = snap if mode.endswith("resume") else None
-                            run = run_once(tree, args, text, resumed, envs[label], warm=mode.startswith("warm"))
-                            runs.append({"tokens": n, "tree": label, "mode": mode, "repeat": r, **run})
-                print(f"  repeat {r + 1}/{args.repeats} done", file=sys.stderr)
-            for label, tree, _ in variants if args.warm else ():
-                processes = warm_command(tree, envs[label], "status")["processes"]
-                served = sum(p["served"] for p in processes if p["current"])
-                expected = args.repeats * len(made) * 2
-                if served != expected:  # every warm column's run went through it, and no other
-                    raise RuntimeError(f"{label}: the warm process served {served} runs, not {expected}")
-        finally:
-            for label, tree, _ in variants if args.warm else ():
-                warm_command(tree, envs[label], "stop")
+                    for mode in modes:
+                        run = run_once(tree, args, text, snap if mode == "resume" else None, envs[label])
+                        runs.append({"tokens": n, "tree": label, "mode": mode, "repeat": r, **run})
+            print(f"  repeat {r + 1}/{args.repeats} done", file=sys.stderr)
 
     summary: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
     for n in args.lengths:
@@ -284,7 +249,6 @@ def main() -> None:
         "lengths": args.lengths,
         "trees": {label: str(tree) for label, tree, _ in variants},
         "backends": {label: backend for label, _, backend in variants},
-        "warm": {label: {k: v for k, v in info.items() if k != "already"} for label, info in warmed.items()},
         "stages": dict(STAGES),
         "summary": summary,
         "runs": [

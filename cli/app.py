@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from cli import calibrate_cmd, chat, inspect_cmd, pull, run, serve, store_cmd, warm_cmd
+from cli import calibrate_cmd, chat, inspect_cmd, pull, run, serve, store_cmd
 from cli.common import state
 
 app = typer.Typer(
@@ -69,6 +69,3 @@ for name, command in commands:
 for command in store_cmd.app.registered_commands:
     command.help = unwrap(command.help or command.callback.__doc__)
 app.add_typer(store_cmd.app, name="store")
-app.add_typer(
-    warm_cmd.app, name="warm", short_help="Keep torch imported in a warm process, so each `kvsnap run` starts at once."
-)

@@ -1,8 +1,4 @@
-"""``kvsnap``: resumable local LLM sessions. The entry point: hand the command to a warm process, or run it here.
-
-The app (typer and every command module) is imported only once the command runs here: a command a
-warm process takes (cli.warm) costs this process the interpreter and a few stdlib modules.
-"""
+"""``kvsnap``: resumable local LLM sessions. The entry point: run the command line in this process."""
 
 from __future__ import annotations
 
@@ -20,16 +16,7 @@ def __getattr__(name: str) -> Any:
 
 
 def main() -> None:
-    import sys
-
-    from cli import warm_client
-
-    warm_client.hand_over(sys.argv[1:])  # a warm process took the command: exits with its status
-    run_here()
-
-
-def run_here() -> None:
-    """Run the command line in this process (``main``, or a warm process's child)."""
+    """Run the command line in this process."""
     startup.own_process = True
     startup.stamp("main")
     from cli.app import app

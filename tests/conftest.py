@@ -28,9 +28,6 @@ for _p in (_ROOT, _TESTS):  # kvsnap need not be installed; helpers import as to
 
 import tiny_models  # noqa: E402
 
-# A developer's warm process (`kvsnap warm start`) never takes a test's run; tests/test_warm.py starts its own.
-os.environ["KVSNAP_WARM"] = "0"
-
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(

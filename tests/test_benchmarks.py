@@ -163,7 +163,7 @@ def test_chat_quality_benchmark(bench, tiny_model_dir):
 
 def test_startup_benchmark_times_each_stage_of_a_new_process(bench, tiny_model_dir):
     args = ("--model", str(tiny_model_dir("llama")), "--device", "cpu", "--lengths", "160", "--repeats", "1")
-    out, data = bench("startup", *args, "--warm")
+    out, data = bench("startup", *args)
     assert out.startswith("machine: ")
     (label,) = data["trees"]
     summary = data["summary"]["160"]
@@ -171,11 +171,6 @@ def test_startup_benchmark_times_each_stage_of_a_new_process(bench, tiny_model_d
     for stage in ("interpreter", "cli imports", "load: torch", "load: weights", "session", "prefill", "exit"):
         assert resume[stage]["median"] > 0 and cold[stage]["median"] > 0, stage
     assert resume["restore"]["median"] > cold.get("restore", {"median": 0})["median"]  # cold: nothing to read
-    # The warm columns: runs the warm process took (the script checks it served each one), stage by stage.
-    assert data["warm"][label]["pid"] > 0
-    for mode in ("warm resume", "warm cold"):
-        assert summary[f"{label} {mode}"]["= answered"]["median"] > 0
-    assert summary[f"{label} warm resume"]["restore"]["median"] > 0
     # The stages of one process add up to no more than its wall time.
     for run in data["runs"]:
         parts = sum(v for k, v in run["stages"].items() if k not in ("total", "cpu") and not k.startswith("="))

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -48,19 +46,6 @@ def test_batch_resume_then_inspect(tiny_model_dir, tmp_path, kvsnap_home):
     assert "every block verifies" in info
     summary = json.loads(info.splitlines()[-1])
     assert summary["tokens"] > 0 and summary["file_bytes"] == snap.stat().st_size
-
-
-def test_warm_runs(tiny_model_dir, tmp_path, kvsnap_home):
-    runtime = Path(tempfile.mkdtemp(prefix="kve"))  # short: a socket path has ~100 bytes
-    try:
-        env = {"XDG_RUNTIME_DIR": str(runtime), "KVSNAP_WARM": "1"}
-        args = ("--model", str(tiny_model_dir("llama")), "--out", str(tmp_path / "d.kv"), "--max-new-tokens", "3")
-        out = run_example("warm_runs.py", *args, home=kvsnap_home, env=env)
-        assert "started" in out and out.count("Q: ") == 3
-        assert "the warm process served 4 runs" in out  # the priming run and the three questions
-        assert list((runtime / "kvsnap-warm").iterdir()) == []  # the one it started, it stopped
-    finally:
-        shutil.rmtree(runtime, ignore_errors=True)
 
 
 def test_chat_api(tiny_model_dir, tmp_path, kvsnap_home):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import time
 
 import pytest
 from conftest import real_model_home
@@ -156,22 +155,3 @@ def test_keeping_special_text_as_text_never_leaks_into_a_concurrent_encode(tiny_
     import torch
 
     assert plain.decode(torch.tensor(control)) == plain.decode(control)
-
-
-def test_a_tokenizer_parsed_ahead_serves_its_file_until_the_file_changes(tiny_model_dir, tmp_path, monkeypatch):
-    # What a warm process does before it forks its runs (cli.warm_server): the children find the parse.
-    from kvsnap.models import plain_tokenizer as module
-
-    monkeypatch.setattr(module, "_parsed", {})
-    folder = shutil.copytree(tiny_model_dir("llama"), tmp_path / "ahead")
-    assert module.parse_ahead(folder)
-    (ahead,) = module._parsed.values()
-    first = plain_tokenizer(folder)
-    assert first is not None and first._tok is ahead  # no second parse
-    assert first.encode("alpha beta") == plain_tokenizer(tiny_model_dir("llama")).encode("alpha beta")
-    path = folder / "tokenizer.json"
-    time.sleep(0.05)  # past the file system's clock tick
-    path.write_bytes(path.read_bytes())  # rewritten, the same bytes: a new ctime, so parsed again
-    again = plain_tokenizer(folder)
-    assert again is not None and again._tok is not ahead
-    assert not module.parse_ahead(tmp_path / "no-such-folder")

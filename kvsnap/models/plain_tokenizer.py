@@ -15,8 +15,6 @@ loaded on first use (``full``).
 from __future__ import annotations
 
 import contextlib
-import os
-import stat
 import threading
 from pathlib import Path
 from typing import Any
@@ -37,10 +35,6 @@ _FILES_LEFT_TO_TRANSFORMERS = (
     "additional_chat_templates",
 )
 _MAX_VOCAB = 100_000  # transformers rewrites the pre-tokenizer of larger vocabularies (its Mistral regex fix)
-# tokenizer.json files parsed ahead (``parse_ahead``, by a warm process: cli.warm_server), by the
-# file's identity. Parsing the default model's 3.4 MB file takes ~0.3 s; a process forked after
-# it finds the parse here while the file is unchanged (any write changes its ctime).
-_parsed: dict[tuple[int, ...], Any] = {}
 
 
 def plain_tokenizer(folder: Path) -> PlainTokenizer | None:
@@ -62,10 +56,7 @@ def plain_tokenizer(folder: Path) -> PlainTokenizer | None:
     try:
         from tokenizers import Tokenizer
 
-        path = folder / "tokenizer.json"
-        tok = _parsed.get(_identity(path))
-        if tok is None:
-            tok = Tokenizer.from_str(read_bounded(path, 256 << 20, error=ModelError).decode())
+        tok = Tokenizer.from_str(read_bounded(folder / "tokenizer.json", 256 << 20, error=ModelError).decode())
         specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
     except Exception:  # the tokenizers library raises its own types for a damaged file
         return None
@@ -83,29 +74,6 @@ def plain_tokenizer(folder: Path) -> PlainTokenizer | None:
     if template is not None and not isinstance(template, str):
         return None
     return PlainTokenizer(folder, tok, named, template)
-
-
-def parse_ahead(folder: Path) -> bool:
-    """Parse ``folder``'s tokenizer.json now, for the processes forked from this one (False: not a
-    tokenizer ``plain_tokenizer`` takes)."""
-    found = plain_tokenizer(folder)
-    identity = _identity(folder / "tokenizer.json")
-    if found is None or not identity:
-        return False
-    _parsed[identity] = found._tok
-    return True
-
-
-def _identity(path: Path) -> tuple[int, ...]:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return ()
-    if not stat.S_ISREG(st.st_mode):
-        return ()
-    from kvsnap.models.fingerprint import file_stamp
-
-    return tuple(file_stamp(st))
 
 
 class PlainTokenizer:
