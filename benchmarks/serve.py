@@ -49,7 +49,7 @@ def requests(system: str = SYSTEM) -> list[tuple[str, int, list[dict]]]:
 class Server:
     def __init__(self, args: argparse.Namespace, store: Path | None, log: Path):
         self.log = log
-        cmd = [sys.executable, "-m", "cli.main", "serve", "--model", args.model, "--port", "0"]
+        cmd = [sys.executable, "-m", "kvsnap_cli.main", "serve", "--model", args.model, "--port", "0"]
         cmd += ["--device", args.device, "--dtype", args.dtype, "--block-size", str(args.block_size)]
         cmd += ["--store", str(store)] if store is not None else ["--no-store"]
         with open(log, "wb") as err:

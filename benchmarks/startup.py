@@ -13,7 +13,7 @@ user+sys time, which a busy machine inflates less than the wall time.
     .venv/bin/python benchmarks/startup.py --trees /tmp/base .   # before (a worktree) and after
     .venv/bin/python benchmarks/startup.py --backends native transformers   # KVSNAP_NATIVE=1 vs 0
 
-Imports in detail: `python -X importtime -m cli.main run ...` (transformers loads some of its
+Imports in detail: `python -X importtime -m kvsnap_cli.main run ...` (transformers loads some of its
 modules past the import system, so their time shows under whoever asked for them).
 """
 
@@ -38,7 +38,20 @@ from benchmarks.common import describe, document, machine, model_arguments, tabl
 
 SUFFIX = 32
 # The console script `kvsnap`, run from a given source tree.
-_BOOT = "import sys; from cli.main import main; sys.argv[0] = 'kvsnap'; sys.exit(main())"
+# The tree's cli/ folder is the package kvsnap_cli (pyproject's package-dir); a tree that predates
+# that name imports it as `cli`.
+_BOOT = """import importlib.util as u, os, sys
+t = os.environ["PYTHONPATH"].split(os.pathsep)[0]
+if "kvsnap_cli" in open(os.path.join(t, "cli", "main.py")).read():
+    s = u.spec_from_file_location("kvsnap_cli", os.path.join(t, "cli", "__init__.py"),
+                                  submodule_search_locations=[os.path.join(t, "cli")])
+    sys.modules["kvsnap_cli"] = m = u.module_from_spec(s)
+    s.loader.exec_module(m)
+    from kvsnap_cli.main import main
+else:
+    from cli.main import main
+sys.argv[0] = "kvsnap"
+sys.exit(main())"""
 
 # (stage, what it covers); the rows of each table, in the order a process meets them.
 STAGES = [

@@ -81,7 +81,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         jobs_file = Path(tmp) / "jobs.jsonl"
         jobs_file.write_text("\n".join(json.dumps(j) for j in batch) + "\n")
-        cmd = [sys.executable, "-m", "cli.main", "run", "--model", args.model, "--batch", str(jobs_file)]
+        cmd = [sys.executable, "-m", "kvsnap_cli.main", "run", "--model", args.model, "--batch", str(jobs_file)]
         cmd += ["--store", str(Path(tmp) / "store"), "--block-size", str(args.block_size)]
         if args.budget:
             cmd += ["--store-budget", args.budget]

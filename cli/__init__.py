@@ -1,5 +1,5 @@
 """The kvsnap command line: a thin typer app over the ``kvsnap`` library."""
 
-from cli import startup
+from kvsnap_cli import startup
 
 startup.stamp("cli")  # the interpreter is up; the CLI's own imports start

@@ -1,4 +1,4 @@
-"""The kvsnap app: its commands, each a thin wrapper over the library (``cli.main`` runs it)."""
+"""The kvsnap app: its commands, each a thin wrapper over the library (``kvsnap_cli.main`` runs it)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from typing import Annotated
 
 import typer
 
-from cli import calibrate_cmd, chat, inspect_cmd, pull, run, serve, store_cmd
-from cli.common import state
+from kvsnap_cli import calibrate_cmd, chat, inspect_cmd, pull, run, serve, store_cmd
+from kvsnap_cli.common import state
 
 app = typer.Typer(
     name="kvsnap",

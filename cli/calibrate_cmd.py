@@ -6,10 +6,10 @@ from typing import Annotated
 
 import typer
 
-from cli import options as o
-from cli import ui
-from cli.common import guarded
 from kvsnap.config import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MODEL
+from kvsnap_cli import options as o
+from kvsnap_cli import ui
+from kvsnap_cli.common import guarded
 
 
 @guarded
@@ -25,7 +25,7 @@ def calibrate(
     than recomputing it. It measures once per machine, model and device on first use; this measures again
     (after a driver, library or hardware change).
     """
-    lm = ui.load_model(model, device, dtype)  # torch is imported in there (cli.startup)
+    lm = ui.load_model(model, device, dtype)  # torch is imported in there (kvsnap_cli.startup)
     from kvsnap.engine.calibrate import cache_path
     from kvsnap.engine.calibrate import calibrate as measure
 

@@ -19,11 +19,11 @@ from typing import Annotated
 
 import typer
 
-from cli import chat_commands, ui
-from cli import options as o
-from cli.chat_input import Command, InterruptGate, Message, read_entry
-from cli.common import guarded, open_session
 from kvsnap.config import CHAT_SAMPLING
+from kvsnap_cli import chat_commands, ui
+from kvsnap_cli import options as o
+from kvsnap_cli.chat_input import Command, InterruptGate, Message, read_entry
+from kvsnap_cli.common import guarded, open_session
 
 HELP = """commands:
   /save [FILE]   save now (default: the autosave file); refuses to replace a file this chat does not continue
@@ -81,11 +81,11 @@ def chat(
     message and /exit or end of input ends the chat. With --store and --store-session NAME the chat is
     recorded in the block store under NAME after every turn, and the next chat with that name resumes it.
     """
-    from cli.batch import check_save_target
     from kvsnap.autosave import AutosaveTarget, Held
     from kvsnap.config import ON_MISMATCH, check_choice
     from kvsnap.engine.background_save import BackgroundSaver
     from kvsnap.errors import ConfigError, SnapshotError
+    from kvsnap_cli.batch import check_save_target
 
     check_choice("--on-mismatch", on_mismatch, ("ask", *ON_MISMATCH))
     session_config = opts.session_config()

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cli import ui
+from kvsnap_cli import ui
 
 if TYPE_CHECKING:
-    from cli.chat import Keeping
+    from kvsnap_cli.chat import Keeping
 
 
 def reset(session, keeping: Keeping) -> None:

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from cli import startup, ui
 from kvsnap.errors import KvsnapError
+from kvsnap_cli import startup, ui
 
 if TYPE_CHECKING:
-    from cli.options import SessionOptions
     from kvsnap.config import SessionConfig
+    from kvsnap_cli.options import SessionOptions
 
 state = {"debug": os.environ.get("KVSNAP_DEBUG") == "1"}
 
@@ -47,8 +47,8 @@ def open_store(path, budget: str | None):
 
             raise ConfigError("--store-budget needs --store DIR")
         return None
-    from cli.options import parse_size
     from kvsnap.store import BlockStore, StoreError
+    from kvsnap_cli.options import parse_size
 
     budget_bytes = parse_size(budget) if budget is not None else None
     store = BlockStore(path)  # a folder that is not a store (a mistyped path) is an error, as it should be
@@ -82,7 +82,7 @@ def open_session(
         prefetching.start(prefetch)
     block_store = open_store(opts.store, opts.store_budget)
     startup.stamp("load")
-    # Imports torch and transformers too, inside the load's collector-off window (cli.startup).
+    # Imports torch and transformers too, inside the load's collector-off window (kvsnap_cli.startup).
     lm = ui.load_model(
         opts.model, opts.device, opts.dtype, check_layout=session_config.check_layout, ctx_size=opts.ctx_size
     )

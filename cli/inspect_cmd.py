@@ -7,10 +7,10 @@ from typing import Annotated
 
 import typer
 
-from cli import ui
-from cli.common import guarded
-from cli.options import Json
 from kvsnap.config import DEFAULT_CHUNK_SIZE
+from kvsnap_cli import ui
+from kvsnap_cli.common import guarded
+from kvsnap_cli.options import Json
 
 
 @guarded
@@ -37,10 +37,10 @@ def inspect(
     """Show a snapshot: model, tokens, blocks, sizes, codec, chat turns, the versions that made it; with a
     prompt, its hit stats and where and why reuse stops (the first differing token, the text around it, a likely
     cause)."""
-    from cli.batch import check_text, read_prompt_file
     from kvsnap import describe
     from kvsnap.errors import ConfigError
     from kvsnap.format.reader import Snapshot
+    from kvsnap_cli.batch import check_text, read_prompt_file
 
     check_text("--prompt", prompt)
     check_text("--namespace", namespace)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from cli import startup
+from kvsnap_cli import startup
 
 
 def __getattr__(name: str) -> Any:
-    if name == "app":  # `from cli.main import app`, the tests' way in
-        from cli.app import app
+    if name == "app":  # `from kvsnap_cli.main import app`, the tests' way in
+        from kvsnap_cli.app import app
 
         return app
     raise AttributeError(name)
@@ -19,7 +19,7 @@ def main() -> None:
     """Run the command line in this process."""
     startup.own_process = True
     startup.stamp("main")
-    from cli.app import app
+    from kvsnap_cli.app import app
 
     try:
         app()

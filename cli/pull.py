@@ -6,10 +6,10 @@ from typing import Annotated
 
 import typer
 
-from cli import ui
-from cli.common import guarded
-from cli.options import MODEL_HELP
 from kvsnap.config import DEFAULT_MODEL
+from kvsnap_cli import ui
+from kvsnap_cli.common import guarded
+from kvsnap_cli.options import MODEL_HELP
 
 
 @guarded

@@ -8,10 +8,10 @@ from typing import Annotated
 
 import typer
 
-from cli import options as o
-from cli import startup, ui
-from cli.common import guarded, open_session
 from kvsnap.config import RUN_SAMPLING
+from kvsnap_cli import options as o
+from kvsnap_cli import startup, ui
+from kvsnap_cli.common import guarded, open_session
 
 
 @guarded
@@ -55,10 +55,10 @@ def run(
     --system or a job's "messages", special-token text is kept as plain text.
     """
     startup.stamp("command")
-    from cli.batch import Job, check_save_target, check_text, error_row, parse_jobs, read_lines, run_job
     from kvsnap.config import ON_MISMATCH, check_choice
     from kvsnap.errors import ConfigError, KvsnapError
     from kvsnap.paths import open_regular
+    from kvsnap_cli.batch import Job, check_save_target, check_text, error_row, parse_jobs, read_lines, run_job
 
     if batch is None and prompt is None and prompt_file is None:
         raise ConfigError("give --prompt, --prompt-file or --batch (see kvsnap run --help)")

@@ -7,10 +7,10 @@ from typing import Annotated
 
 import typer
 
-from cli import options as o
-from cli import ui
-from cli.common import guarded
 from kvsnap import config
+from kvsnap_cli import options as o
+from kvsnap_cli import ui
+from kvsnap_cli.common import guarded
 
 DEFAULT_PORT = 8080
 DEFAULT_MAX_QUEUE = 16
@@ -77,11 +77,11 @@ def serve(
 
       curl http://127.0.0.1:8080/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
     """
-    from cli.batch import check_text
-    from cli.common import open_store
     from kvsnap.errors import ConfigError
     from kvsnap.models.resolve import kvsnap_home
     from kvsnap.serve import ApiKeys, is_loopback, read_keys_file
+    from kvsnap_cli.batch import check_text
+    from kvsnap_cli.common import open_store
 
     keys_given = list(api_key or [])
     if api_keys_file is not None:
@@ -133,8 +133,8 @@ def _bind(host: str, port: int):
 def _run(lm, session_config, block_store, keys, max_queue: int, sock, spec: str) -> None:
     import uvicorn
 
-    from cli.serve_app import ServerState, build_app
     from kvsnap.serve import Service, Turns
+    from kvsnap_cli.serve_app import ServerState, build_app
 
     service = Service(lm, session_config, block_store, aliases=(spec,))
     state = ServerState(service, keys, Turns(max_queue), ui.note)

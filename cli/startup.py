@@ -3,7 +3,7 @@
 Importing torch and transformers and loading a model make ~400k Python objects that live as long
 as the process. Python's cyclic garbage collector walks them again and again while they are made
 (~1.5 s of a 2-core VM's ~8.5 s to a loaded model) and once more at exit (1.7 s of a 2.2 s exit).
-So a process the CLI owns (``cli.main.main``, not a test's in-process runner) loads its model with
+So a process the CLI owns (``kvsnap_cli.main.main``, not a test's in-process runner) loads its model with
 the collector off, then freezes what exists (``gc.freeze``: kept out of later collections, never
 walked again), and freezes again at exit. What stays frozen that was garbage is bounded: the cycles
 the imports and a load leave (~11k small objects, ~8 MB, no tensors, for the default model). A GGUF
@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 TIMINGS = os.environ.get("KVSNAP_TIMINGS") == "1"
 stamps: dict[str, float] = {}  # stage -> time.time() when it was reached (first time only)
-own_process = False  # set by cli.main.main: this interpreter runs the CLI and nothing else
+own_process = False  # set by kvsnap_cli.main.main: this interpreter runs the CLI and nothing else
 
 
 def stamp(stage: str) -> None:

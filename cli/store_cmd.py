@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from cli import store_explain, store_ui, ui
-from cli.common import guarded
+from kvsnap_cli import store_explain, store_ui, ui
+from kvsnap_cli.common import guarded
 
 if TYPE_CHECKING:
     from kvsnap.describe import LightTokenizer
@@ -249,7 +249,7 @@ def budget(
     json_out: Json = False,
 ) -> None:
     """Set the store's budget (kept in the store) and evict least recently used leaves at once to fit it."""
-    from cli.options import parse_size
+    from kvsnap_cli.options import parse_size
 
     budget_bytes = None if size.strip().lower() == "none" else parse_size(size)
     store = _open(store_dir)

@@ -8,9 +8,9 @@ from typing import Annotated
 
 import typer
 
-from cli import ui
-from cli.common import guarded
 from kvsnap.config import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL
+from kvsnap_cli import ui
+from kvsnap_cli.common import guarded
 
 Dir = Annotated[Path, typer.Argument(metavar="DIR", help="The block store folder.", show_default=False)]
 Json = Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object.")]
@@ -39,11 +39,11 @@ def explain(
     Every chain in the store is searched by token ids, so a prefix stored under another namespace, block size or
     model is found too, and named as the reason a run would not reuse it.
     """
-    from cli.batch import check_text, read_prompt_file
     from kvsnap import provenance
     from kvsnap.describe import locate_tokenizer
     from kvsnap.errors import ConfigError
     from kvsnap.explain import against_store, closest_stored, running_model
+    from kvsnap_cli.batch import check_text, read_prompt_file
 
     if prompt is None and prompt_file is None:
         raise ConfigError("give --prompt or --prompt-file")

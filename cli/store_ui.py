@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
 
-from cli.ui import human_bytes, key_value_table, note, out, plural, printable
+from kvsnap_cli.ui import human_bytes, key_value_table, note, out, plural, printable
 
 if TYPE_CHECKING:  # imported where used: every command starts without them (~30 ms)
     from rich.tree import Tree

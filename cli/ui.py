@@ -1,4 +1,4 @@
-"""Terminal rendering (rich): status on stderr, model text on stdout; the store's tables are in ``cli.store_ui``."""
+"""Terminal rendering (rich): status on stderr, model text on stdout; the store's tables are in ``store_ui``."""
 
 from __future__ import annotations
 
@@ -96,11 +96,11 @@ def status(message: str) -> Iterator[Any]:
 
 
 def load_model(spec: str, device: str, dtype: str, check_layout=None, ctx_size: int | None = None):
-    from cli import startup
     from kvsnap.models import load_model, resolve_model
+    from kvsnap_cli import startup
 
     with status(f"loading {spec}") as update:
-        # A first use converts a GGUF model here, with the collector on (see cli.startup).
+        # A first use converts a GGUF model here, with the collector on (see kvsnap_cli.startup).
         resolve_model(spec, progress=update, install=True)
         with startup.collector_off():
             return load_model(

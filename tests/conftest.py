@@ -29,6 +29,24 @@ for _p in (_ROOT, _TESTS):  # kvsnap need not be installed; helpers import as to
 import tiny_models  # noqa: E402
 
 
+def _alias_cli() -> None:
+    """Without an install, import the top-level cli/ folder under its installed name, kvsnap_cli."""
+    import importlib.util
+
+    if importlib.util.find_spec("kvsnap_cli") is not None:
+        return
+    folder = Path(_ROOT) / "cli"
+    spec = importlib.util.spec_from_file_location(
+        "kvsnap_cli", folder / "__init__.py", submodule_search_locations=[str(folder)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kvsnap_cli"] = module
+    spec.loader.exec_module(module)
+
+
+_alias_cli()
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--bench", action="store_true", help="also run the benchmark smoke tests (marked bench; .ci/run does)"

@@ -173,15 +173,15 @@ def rewrite_meta(path: Path, mutate: Callable[[dict[str, Any]], None]) -> None:
 def kvsnap_imports(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None):
     """Run ``kvsnap ARGS`` as a user starts it, under ``-X importtime``: (the process, the modules it imported).
 
-    The CLI's ``main`` ends its process itself (``cli.startup.leave``), so what a process imported is
+    The CLI's ``main`` ends its process itself (``kvsnap_cli.startup.leave``), so what a process imported is
     read from its ``-X importtime`` lines, not from ``sys.modules`` after ``main`` returns."""
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-X", "importtime", "-m", "cli.main", *args]
+    cmd = [sys.executable, "-X", "importtime", "-m", "kvsnap_cli.main", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=env)
     lines = proc.stderr.splitlines()
     imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time:")}
-    assert "cli.run" in imported, proc.stderr[-2000:]  # the list was read: "torch" not in it means something
+    assert "kvsnap_cli.run" in imported, proc.stderr[-2000:]  # the list was read: "torch" not in it means something
     proc.stderr = "\n".join(line for line in lines if not line.startswith("import time:"))
     return proc, imported

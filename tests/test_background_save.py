@@ -60,7 +60,7 @@ DRIVER = textwrap.dedent(
         return size
 
     atomic.replace_whole, builtins.input = replace_whole, prompt
-    from cli.main import main
+    from kvsnap_cli.main import main
     sys.argv = ["kvsnap", "chat", *sys.argv[1:]]
     main()
     """
@@ -116,7 +116,7 @@ def test_the_prompt_comes_back_before_the_save_and_the_exit_waits_for_it(model, 
 
     # Resumed, the chat has the same history, all of it reused.
     again = subprocess.run(
-        [sys.executable, "-m", "cli.main", "chat", *base(model), "--resume", str(path)],
+        [sys.executable, "-m", "kvsnap_cli.main", "chat", *base(model), "--resume", str(path)],
         input="three\n",
         capture_output=True,
         text=True,

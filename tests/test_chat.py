@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from kvsnap_cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -32,7 +32,7 @@ def base(model: str) -> list[str]:
 
 
 def chat_cmd(model: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "cli.main", "chat", *base(model), *args]
+    return [sys.executable, "-m", "kvsnap_cli.main", "chat", *base(model), *args]
 
 
 def chat(model: str, lines: str, home: Path, *args: str) -> subprocess.CompletedProcess:
@@ -165,7 +165,7 @@ DRIVER = textwrap.dedent(
     """
     import os, signal, sys, time
     sys.path.insert(0, {root!r})
-    from cli import ui
+    from kvsnap_cli import ui
     from kvsnap.engine.session import Session
 
     emitted = []
@@ -183,7 +183,7 @@ DRIVER = textwrap.dedent(
         return real_save(self, path, **kw)
 
     ui.emit, Session.save = emit, save
-    from cli.main import main
+    from kvsnap_cli.main import main
     sys.argv = ["kvsnap", "chat", *sys.argv[1:]]
     main()
     """
@@ -265,7 +265,7 @@ def test_a_loop_is_stopped(tiny_lm, monkeypatch):
 
 def test_terminal_input_reads_a_fenced_block_as_one_message():
     """Guards: a multi-line paste became one turn per line and the first line was answered at once."""
-    from cli.chat_input import Command, Message, read_entry
+    from kvsnap_cli.chat_input import Command, Message, read_entry
 
     lines = iter(['"""', "line one", "/not a command", "", "line three", '"""'])
     assert read_entry(lambda prompt: next(lines), interactive=True) == Message("line one\n/not a command\n\nline three")

@@ -156,7 +156,7 @@ def test_a_chat_in_a_new_process_never_imports_transformers(command, tiny_model_
     code = (
         "import atexit, sys\n"
         "atexit.register(lambda: print('transformers' in sys.modules, file=sys.stderr))\n"
-        "from cli.main import main\n"
+        "from kvsnap_cli.main import main\n"
         f"sys.argv = ['kvsnap', *{args!r}]\n"
         "main()\n"
     )

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from kvsnap_cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -47,7 +47,7 @@ def test_every_command_has_help(command):
 
 
 def test_help_does_not_import_torch():
-    code = "import sys; from cli.main import app; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys; from kvsnap_cli.main import app; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
@@ -133,7 +133,7 @@ def test_inspect_does_not_import_torch(model, tmp_path):
     snap = tmp_path / "s.kv"
     invoke("run", *base(model), "--prompt", DOC, "--max-new-tokens", "0", "--save", str(snap))
     code = (
-        "import sys; from cli.main import app\n"
+        "import sys; from kvsnap_cli.main import app\n"
         f"try:\n    app(['inspect', {str(snap)!r}, '--json', '--prompt', 'Blocks'])\n"
         "except SystemExit as e:\n    assert not e.code, e.code\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
@@ -198,7 +198,17 @@ def test_batch_rows_in_order_and_bad_jobs_do_not_stop_it(model, tmp_path):
 
 
 def _chat(model: str, session: Path, lines: str, home: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "cli.main", "chat", *base(model), "--resume", str(session), "--temperature", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvsnap_cli.main",
+        "chat",
+        *base(model),
+        "--resume",
+        str(session),
+        "--temperature",
+        "0",
+    ]
     cmd += ["--max-new-tokens", "6"]
     env = {**os.environ, "KVSNAP_HOME": home}
     return subprocess.run(cmd, input=lines, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)

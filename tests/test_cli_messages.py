@@ -10,8 +10,8 @@ import pytest
 from core_helpers import kvsnap_imports
 from typer.testing import CliRunner
 
-from cli import ui
-from cli.main import app
+from kvsnap_cli import ui
+from kvsnap_cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()

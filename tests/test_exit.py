@@ -1,4 +1,4 @@
-"""A finished CLI process ends without the interpreter's teardown (cli.startup.leave), and loses nothing.
+"""A finished CLI process ends without the interpreter's teardown (kvsnap_cli.startup.leave), and loses nothing.
 
 What a user relies on: every byte of the output (a pipe or a file is block-buffered), the exit code,
 the files a command wrote, and the ``atexit`` clean-up; and that a process with work still running
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # An object whose finalizer runs in the interpreter's teardown, and so shows whether it ran.
 _SCRIPT = """
 import atexit, pathlib, sys, threading
-from cli import startup
+from kvsnap_cli import startup
 
 class Loud:
     def __del__(self):
@@ -61,7 +61,7 @@ def test_leave_returns_while_a_thread_of_ours_still_works(tmp_path):
 
 
 def test_leave_is_a_no_op_outside_the_cli_process():
-    from cli import startup
+    from kvsnap_cli import startup
 
     assert not startup.own_process  # tests run commands in-process: never end pytest's interpreter
     startup.leave(0)
@@ -76,7 +76,7 @@ class Loud:
         sys.stderr.write("teardown ran\\n")
 
 kept = Loud()
-from cli.main import main
+from kvsnap_cli.main import main
 sys.argv = ["kvsnap", *sys.argv[1:]]
 main()
 """
@@ -111,6 +111,6 @@ def test_real_commands_exit_fast_with_their_output_their_files_and_their_codes(t
 @pytest.mark.parametrize("fd", [1, 2])
 def test_a_closed_output_leaves_the_exit_to_the_interpreter(fd):
     # `kvsnap --version >&-`: Python starts with sys.stdout None; the exit code is the command's.
-    cmd = [sys.executable, "-m", "cli.main", "--version"]
+    cmd = [sys.executable, "-m", "kvsnap_cli.main", "--version"]
     proc = subprocess.run(cmd, cwd=ROOT, preexec_fn=lambda: os.close(fd), capture_output=False, timeout=60)
     assert proc.returncode == 0

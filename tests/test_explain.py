@@ -16,13 +16,13 @@ import pytest
 from tiny_models import perturbed_copy
 from typer.testing import CliRunner
 
-from cli.main import app
 from kvsnap import explain
 from kvsnap.config import SamplingParams
 from kvsnap.describe import LightTokenizer
 from kvsnap.engine.session import Session
 from kvsnap.models import load_model
 from kvsnap.store import BlockStore
+from kvsnap_cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]
 BS = 8
@@ -204,7 +204,7 @@ def test_inspect_prompt_explains_the_miss_without_torch(llama, tmp_path, kvsnap_
     snap = save(llama, ids_of(llama, DOC + "The capital of France is Paris."), tmp_path / "a.kv")
     prompt = DOC + "The capital of Italy is Rome."
     code = (
-        "import sys; from cli.main import app\n"
+        "import sys; from kvsnap_cli.main import app\n"
         f"try:\n    app(['inspect', {str(snap)!r}, '--json', '--prompt', {prompt!r}])\n"
         "except SystemExit as e:\n    assert not e.code, e.code\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
@@ -242,7 +242,7 @@ def test_run_explain_puts_the_miss_in_the_ledger(llama, tiny_model_dir, tmp_path
 
 def test_chat_explain_notes_a_turn_that_reused_less_than_it_held(llama, tiny_model_dir, tmp_path, kvsnap_home):
     snap, _ = _answer_tokenized_apart(llama, tmp_path)
-    cmd = [sys.executable, "-m", "cli.main", "chat", "--model", str(tiny_model_dir("llama")), "--device", "cpu"]
+    cmd = [sys.executable, "-m", "kvsnap_cli.main", "chat", "--model", str(tiny_model_dir("llama")), "--device", "cpu"]
     cmd += ["--block-size", str(BS), "--resume", str(snap), "--temperature", "0", "--max-new-tokens", "2", "--explain"]
     env = {**os.environ, "KVSNAP_HOME": str(kvsnap_home)}
     proc = subprocess.run(cmd, input="And of Italy?\n", capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)

@@ -24,13 +24,13 @@ import zstandard
 from core_helpers import MODEL, kvsnap_imports, make_layout, rewrite_meta, write_test_snapshot
 from typer.testing import CliRunner
 
-from cli.main import app
 from kvsnap import hashing
 from kvsnap.errors import SaveError, SnapshotError
 from kvsnap.format import Snapshot, SnapshotHeader, atomic, codec, write_snapshot
 from kvsnap.hashing import checksum
 from kvsnap.models.fingerprint import weights_digest
 from kvsnap.types import EncodedBlock
+from kvsnap_cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -46,7 +46,7 @@ def base(model: str | Path) -> list[str]:
 
 def kvsnap(*args: str | Path, home: Path, timeout: float = 120, memory: int | None = None, input: bytes = b""):
     """``kvsnap ARGS`` in a subprocess: a hang becomes a timeout, ``memory`` caps its address space."""
-    code = "import sys; from cli.main import main; sys.argv[0] = 'kvsnap'; main()"
+    code = "import sys; from kvsnap_cli.main import main; sys.argv[0] = 'kvsnap'; main()"
     if memory is not None:
         code = f"import resource; resource.setrlimit(resource.RLIMIT_AS, ({memory}, {memory})); {code}"
     return subprocess.run(
@@ -449,7 +449,7 @@ def test_inspect_escapes_control_characters_and_markup_in_snapshot_text(tmp_path
 
 def test_notes_and_errors_escape_control_characters(capsys):
     """Bug: chat's "last answer" note (and errors quoting file names) printed snapshot text raw."""
-    from cli import ui
+    from kvsnap_cli import ui
 
     ui.note("last answer: \x1b]0;pwned\x07 [/] done")
     ui.error("bad \x1b[31m [bold]name[/]")
@@ -461,7 +461,7 @@ def test_notes_and_errors_escape_control_characters(capsys):
 def test_json_output_stays_strict(capsysbinary):
     """Bug: a non-finite number in a row was written as NaN/Infinity, and a lone surrogate (a file name
     that is not UTF-8) failed the write."""
-    from cli import ui
+    from kvsnap_cli import ui
 
     ui.print_json({"id": float("inf"), "x": [float("nan")], "path": "caf\udce9.kv"})
     (row,) = lines_of(capsysbinary.readouterr().out)

@@ -44,13 +44,13 @@ TORCH_FREE = [
     "kvsnap.serve.keys",
     "kvsnap.serve.turns",
     "kvsnap.serve.service",
-    "cli.main",
-    "cli.app",
-    "cli.batch",
-    "cli.options",
-    "cli.serve",
-    "cli.serve_app",
-    "cli.store_explain",
+    "kvsnap_cli.main",
+    "kvsnap_cli.app",
+    "kvsnap_cli.batch",
+    "kvsnap_cli.options",
+    "kvsnap_cli.serve",
+    "kvsnap_cli.serve_app",
+    "kvsnap_cli.store_explain",
 ]
 
 

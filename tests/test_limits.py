@@ -14,13 +14,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from cli.main import app
 from kvsnap import limits
 from kvsnap.errors import ConfigError, SaveError
 from kvsnap.format import SnapshotHeader
 from kvsnap.format import writer as writer_module
 from kvsnap.format.meta import check_contents
 from kvsnap.types import EncodedBlock, KVLayout
+from kvsnap_cli.main import app
 
 runner = CliRunner()
 DOC = "Blocks of tokens are hashed in a chain, so a prefix is found by its last block alone. " * 6

@@ -22,11 +22,11 @@ import pytest
 from core_helpers import read_everything, write_test_snapshot
 from typer.testing import CliRunner
 
-from cli.main import app
 from kvsnap.config import SamplingParams
 from kvsnap.engine.session import Session
 from kvsnap.errors import SnapshotError
 from kvsnap.format import Snapshot
+from kvsnap_cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -236,7 +236,7 @@ def test_cli_on_mismatch(tiny_model_dir, tmp_path, kvsnap_home):
     assert "recomputed from scratch" in ok.stderr
 
     env = {**os.environ, "KVSNAP_HOME": str(kvsnap_home)}
-    chat = [sys.executable, "-m", "cli.main", "chat", "--model", model, "--device", "cpu", "--resume", str(bad)]
+    chat = [sys.executable, "-m", "kvsnap_cli.main", "chat", "--model", model, "--device", "cpu", "--resume", str(bad)]
     refused = subprocess.run(chat, input="hi\n", capture_output=True, text=True, cwd=ROOT, env=env)
     assert refused.returncode == 1 and "bad.kv" in refused.stderr  # not a terminal: "ask" means error
     before = bad.read_bytes()
@@ -306,7 +306,7 @@ def test_sigkill_during_save_never_leaves_a_broken_snapshot(big_model, tmp_path,
     base = [
         sys.executable,
         "-m",
-        "cli.main",
+        "kvsnap_cli.main",
         "run",
         "--model",
         str(big_model),

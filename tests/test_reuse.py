@@ -7,13 +7,13 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
 from kvsnap.config import SamplingParams
 from kvsnap.engine import calibrate
 from kvsnap.engine.session import Session
 from kvsnap.errors import ConfigError
 from kvsnap.models import load_model
 from kvsnap.reuse import CostModel, decide
+from kvsnap_cli.main import app
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0)
 

@@ -24,9 +24,9 @@ import openai
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
 from kvsnap.config import SamplingParams
 from kvsnap.engine.session import Session
+from kvsnap_cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]
 BS = 16
@@ -38,7 +38,18 @@ class Server:
 
     def __init__(self, log: Path, model: Path, store: Path, *args: str):
         self.log = log
-        cmd = [sys.executable, "-m", "cli.main", "serve", "--model", str(model), "--device", "cpu", "--port", "0"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvsnap_cli.main",
+            "serve",
+            "--model",
+            str(model),
+            "--device",
+            "cpu",
+            "--port",
+            "0",
+        ]
         cmd += ["--block-size", str(BS), "--chunk-size", "32", "--store", str(store), *args]
         with open(log, "wb") as err:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, env=dict(os.environ))

@@ -26,7 +26,6 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from cli.options import parse_size
 from kvsnap import hashing
 from kvsnap.errors import ConfigError, KvsnapError, SnapshotError
 from kvsnap.format import encode_block
@@ -34,6 +33,7 @@ from kvsnap.format import meta as snapshot_meta
 from kvsnap.hashing import checksum
 from kvsnap.store import BlockIndex, BlockStore, ChainInfo, StoreError, block_keys
 from kvsnap.types import EncodedBlock
+from kvsnap_cli.options import parse_size
 
 ROOT_DIR = Path(__file__).resolve().parents[1]
 

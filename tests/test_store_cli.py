@@ -19,9 +19,9 @@ import pytest
 from core_helpers import FINGERPRINT, NAMESPACE, make_layout, read_everything
 from typer.testing import CliRunner
 
-from cli.main import app
 from kvsnap import hashing
 from kvsnap.format import SnapshotHeader, encode_block, write_snapshot
+from kvsnap_cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -306,7 +306,7 @@ def test_missing_store_is_one_line_and_creates_nothing(tmp_path):
 
 def test_store_commands_do_not_import_torch(store, tmp_path):
     code = (
-        "import sys; from cli.main import app\n"
+        "import sys; from kvsnap_cli.main import app\n"
         f"for args in {[['tree'], ['stats'], ['check'], ['gc'], ['budget', '1MB'], ['pin', 'rome']]!r}:\n"
         f"    try:\n        app(['store', args[0], {str(store)!r}, *args[1:], '--json'])\n"
         "    except SystemExit as e:\n        assert not e.code, (args, e.code)\n"

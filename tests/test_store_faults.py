@@ -24,12 +24,12 @@ import pytest
 from core_helpers import FINGERPRINT, MODEL, NAMESPACE, make_layout, write_test_snapshot
 from typer.testing import CliRunner
 
-from cli.main import app
 from kvsnap import hashing
 from kvsnap.config import SamplingParams
 from kvsnap.format import encode_block
 from kvsnap.store import BlockStore, ChainInfo, StoreError, block_keys
 from kvsnap.store import files as store_files
+from kvsnap_cli.main import app
 
 runner = CliRunner()
 BS = 4

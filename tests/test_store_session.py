@@ -7,10 +7,10 @@ import json
 import torch
 from typer.testing import CliRunner
 
-from cli.main import app
 from kvsnap.config import SamplingParams
 from kvsnap.engine.session import Session
 from kvsnap.store import BlockStore
+from kvsnap_cli.main import app
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0)
 

@@ -18,7 +18,6 @@ import pytest
 from core_helpers import rewrite_meta
 from typer.testing import CliRunner
 
-from cli.main import app
 from kvsnap import provenance
 from kvsnap.config import SamplingParams
 from kvsnap.engine import verify
@@ -27,6 +26,7 @@ from kvsnap.errors import VerifyError
 from kvsnap.format import Snapshot, encode_block, write_snapshot
 from kvsnap.models import load_model
 from kvsnap.store import BlockIndex, BlockStore
+from kvsnap_cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]
 BS = 8
@@ -233,7 +233,7 @@ def test_chat_recomputes_a_conversation_whose_kv_fails_the_check(llama, tiny_mod
     s.chat("hello there", SamplingParams(max_new_tokens=12, temperature=0, stop_loops=False))
     s.save(tmp_path / "chat.kv")
     perturb_and_resign(tmp_path / "chat.kv", block=len(s.tokens) // BS - 1)
-    cmd = [sys.executable, "-m", "cli.main", "chat", "--model", str(tiny_model_dir("llama")), "--device", "cpu"]
+    cmd = [sys.executable, "-m", "kvsnap_cli.main", "chat", "--model", str(tiny_model_dir("llama")), "--device", "cpu"]
     cmd += ["--block-size", str(BS), "--resume", str(tmp_path / "chat.kv"), "--max-new-tokens", "2", "--verify"]
     # --reuse load: under auto, a calibration taken on a busy machine may find recomputing the tiny
     # model's prefix faster, and then nothing is reused and nothing checked (this test flaked so).
