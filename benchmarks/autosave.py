@@ -22,10 +22,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import describe, document, machine, median, table, write_json  # noqa: E402
-from kvsnap.autosave import AutosaveTarget  # noqa: E402
 from kvsnap.config import SamplingParams  # noqa: E402
 from kvsnap.engine.background_save import BackgroundSaver  # noqa: E402
 from kvsnap.engine.session import Session  # noqa: E402
+from kvsnap.format.save_target import AutosaveTarget  # noqa: E402
 from kvsnap.models import load_model  # noqa: E402
 
 TARGET_S = 0.05  # the prompt is back this soon after an answer at 4k tokens of history

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import best_of_each, describe, document, machine, write_json  # noqa: E402
 from kvsnap.config import SamplingParams  # noqa: E402
-from kvsnap.engine import restorer as kvrestorer  # noqa: E402
+from kvsnap.engine import kv_transfer  # noqa: E402
 from kvsnap.engine.session import Session  # noqa: E402
 from kvsnap.models import load_model  # noqa: E402
 
@@ -62,7 +62,7 @@ def main() -> None:
 
         # Record how the real restore staged its blocks (pinned or not) as it finishes.
         staged: list[bool] = []
-        finish = kvrestorer.Restorer.finish
+        finish = kv_transfer.KVTransfer.finish
 
         staging: list[int] = []
 
@@ -71,7 +71,7 @@ def main() -> None:
             staging.append(self.staging_bytes)
             return finish(self, config)
 
-        kvrestorer.Restorer.finish = recording_finish
+        kv_transfer.KVTransfer.finish = recording_finish
         try:
             resumed_session = Session(lm)
             if lm.device.type == "cuda":
@@ -85,7 +85,7 @@ def main() -> None:
                 figures["restore_peak_mb"] = (torch.cuda.max_memory_allocated() - before) / 1e6
             figures["first_restore_s"] = time.perf_counter() - t0
         finally:
-            kvrestorer.Restorer.finish = finish
+            kv_transfer.KVTransfer.finish = finish
         checks["restored KV is bitwise the saved KV"] = all(
             torch.equal(a, b) for a, b in zip(kv_of(resumed_session, n - SUFFIX), reference_kv)
         )
@@ -109,12 +109,12 @@ def main() -> None:
             # Pinned vs pageable staging of the restored blocks: the first pinned restore of a
             # process pays for pinning; later ones reuse torch's cached pinned blocks.
             def restore(pin: bool):
-                kvrestorer.PIN_STAGING = pin
+                kv_transfer.PIN_STAGING = pin
                 try:
                     Session(lm).restore(snap, prefix_ids)
                     torch.cuda.synchronize()
                 finally:
-                    kvrestorer.PIN_STAGING = True
+                    kv_transfer.PIN_STAGING = True
 
             times = best_of_each(3, {"pinned": lambda: restore(True), "pageable": lambda: restore(False)})
             figures["restore_pinned_s"] = times["pinned"][0]

@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import describe, document, machine, model_arguments, table, write_json  # noqa: E402
 from kvsnap.config import SamplingParams  # noqa: E402
+from kvsnap.engine.prepare import forward_kind, start_packing  # noqa: E402
 from kvsnap.engine.session import Session  # noqa: E402
 from kvsnap.models import load_model  # noqa: E402
-from kvsnap.models.prepare import forward_kind, start_packing  # noqa: E402
 
 SUFFIX = 32
 ONE = SamplingParams(max_new_tokens=1, temperature=0)

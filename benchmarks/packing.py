@@ -20,9 +20,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import describe, document, machine, model_arguments, table, write_json  # noqa: E402
+from kvsnap.engine.prepare import forward_kind, start_packing  # noqa: E402
 from kvsnap.engine.session import Session  # noqa: E402
 from kvsnap.models import load_model  # noqa: E402
-from kvsnap.models.prepare import forward_kind, start_packing  # noqa: E402
 
 SUFFIX = 32
 # aten::bmm: the unpacked lm_head's one row (attention here is the SDPA kernel, not a bmm).

@@ -30,11 +30,11 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import describe, document, machine, model_arguments, table, write_json  # noqa: E402
 from kvsnap.engine import arena  # noqa: E402
-from kvsnap.engine.restorer import Restorer  # noqa: E402
+from kvsnap.engine.kv_transfer import KVTransfer  # noqa: E402
 from kvsnap.engine.session import Session  # noqa: E402
 from kvsnap.models import load_model  # noqa: E402
 
-_direct = Restorer.target
+_direct = KVTransfer.target
 
 
 def _scratch_only(self, start, block_tokens):
@@ -45,7 +45,7 @@ def variant(name: str) -> None:
     arena.ENABLED = name != "before"
     if name == "before":
         arena.clear()
-    Restorer.target = _direct if name == "now" else _scratch_only
+    KVTransfer.target = _direct if name == "now" else _scratch_only
 
 
 def measure(lm, n: int, repeats: int, folder: Path) -> list[dict]:
@@ -56,7 +56,7 @@ def measure(lm, n: int, repeats: int, folder: Path) -> list[dict]:
     for codec in ("shuffle-zstd", "raw"):
         path = folder / f"doc{n}-{codec}.kv"
         primer.config = dataclasses.replace(primer.config, codec=codec)
-        primer._encoded = type(primer._encoded)()  # a full first save in this codec
+        primer.encoded = type(primer.encoded)()  # a full first save in this codec
         primer.save(path)
         size = path.stat().st_size
         ready = np.empty(size, dtype=np.uint8)

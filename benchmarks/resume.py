@@ -220,7 +220,7 @@ def measure(lm, n: int, repeats: int, folder: Path, model: str, dtype: str, code
 
 def _fresh_copy(session: Session) -> Session:
     """The primed session without its cached encodings, so every save is a full first save."""
-    session._encoded = EncodedBlocks()
+    session.encoded = EncodedBlocks()
     return session
 
 

@@ -198,7 +198,6 @@ def run_job(
     defaults: SamplingParams,
     on_text=None,
     on_progress=None,
-    on_mismatch: str = "error",
     store_session: str | None = None,
 ) -> dict[str, Any]:
     """Run one job on a fresh session state; returns its result row (raises ``KvsnapError`` on failure).
@@ -217,7 +216,6 @@ def run_job(
         resume=None if missing else resume,
         on_text=on_text,
         on_progress=on_progress,
-        on_mismatch=on_mismatch,
         store_session=store_session,
         prompt_messages=job_messages(job) if session.config.explain else None,
     )

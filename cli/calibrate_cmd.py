@@ -6,10 +6,10 @@ from typing import Annotated
 
 import typer
 
-from kvsnap.config import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MODEL
+from kvsnap.config import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MODEL, SessionConfig
 from kvsnap_cli import options as o
 from kvsnap_cli import ui
-from kvsnap_cli.common import guarded
+from kvsnap_cli.common import guarded, open_session
 
 
 @guarded
@@ -25,11 +25,15 @@ def calibrate(
     than recomputing it. It measures once per machine, model and device on first use; this measures again
     (after a driver, library or hardware change).
     """
-    lm = ui.load_model(model, device, dtype)  # torch is imported in there (kvsnap_cli.startup)
-    from kvsnap.engine.calibrate import cache_path
-    from kvsnap.engine.calibrate import calibrate as measure
+    from types import SimpleNamespace
 
-    with ui.status("calibrating load vs recompute") as update:
+    from kvsnap.engine.calibrate import calibrate as measure
+    from kvsnap.engine.costs import cache_path
+
+    opts = SimpleNamespace(model=model, device=device, dtype=dtype, ctx_size=None)
+    lm = open_session(opts, SessionConfig(), store=None).lm
+
+    with ui.status("measuring load vs recompute for this model and dtype") as update:
         cost = measure(lm, progress=update)
     rows = []
     for tokens, stored, load_s in cost.loads:

@@ -12,8 +12,8 @@ save that failed is reported then, with the previous file unchanged (saves are a
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -23,6 +23,7 @@ from kvsnap.config import CHAT_SAMPLING
 from kvsnap_cli import chat_commands, ui
 from kvsnap_cli import options as o
 from kvsnap_cli.chat_input import Command, InterruptGate, Message, read_entry
+from kvsnap_cli.chat_keeping import Keeping
 from kvsnap_cli.common import guarded, open_session
 
 HELP = """commands:
@@ -34,17 +35,6 @@ HELP = """commands:
   /exit          quit (Ctrl-D too)
   /help          this list
 input: one message per line; in a terminal, a line holding only \"\"\" starts and ends a multi-line message"""
-
-
-@dataclass
-class Keeping:
-    """Where the conversation is kept: an autosave file, a named store session, both or neither."""
-
-    target: object | None  # kvsnap.autosave.AutosaveTarget
-    store_name: str | None
-    force: bool  # the user allowed replacing the autosave file whatever it holds
-    saver: object  # kvsnap.engine.background_save.BackgroundSaver: the autosave in flight, if any
-    saving_to: object | None = None  # the AutosaveTarget of that save
 
 
 @guarded
@@ -81,10 +71,10 @@ def chat(
     message and /exit or end of input ends the chat. With --store and --store-session NAME the chat is
     recorded in the block store under NAME after every turn, and the next chat with that name resumes it.
     """
-    from kvsnap.autosave import AutosaveTarget, Held
     from kvsnap.config import ON_MISMATCH, check_choice
     from kvsnap.engine.background_save import BackgroundSaver
     from kvsnap.errors import ConfigError, SnapshotError
+    from kvsnap.format.save_target import AutosaveTarget, Held
     from kvsnap_cli.batch import check_save_target
 
     check_choice("--on-mismatch", on_mismatch, ("ask", *ON_MISMATCH))
@@ -93,16 +83,15 @@ def chat(
     if opts.store_session is not None and opts.store is None:
         raise ConfigError("--store-session needs --store DIR")
     opts.sampling()  # a bad flag is refused before the model loads
-    session = open_session(
-        opts,
-        session_config,
-        reuses=resume is not None,
-        prefetch=resume if resume and resume.exists() else None,
-        many_forwards=True,
-    )
+    interactive = sys.stdin.isatty()
+    # A refused verify keeps the conversation and computes its KV again (recompute, or ask in a terminal:
+    # nothing is lost), else it is an error.
+    verify_mode = "recompute" if on_mismatch == "recompute" or (on_mismatch == "ask" and interactive) else "error"
+    session_config = dataclasses.replace(session_config, on_mismatch=verify_mode)
+    prefetch = resume if resume and resume.exists() else None
+    session = open_session(opts, session_config, workload="chat", prefetch=prefetch)
     params = opts.sampling(model_defaults=session.lm.sampling_defaults)
     autosave = save or resume
-    interactive = sys.stdin.isatty()
     seen = None  # the tokens of the autosave file, when this chat resumed it
     if resume is not None and not resume.exists():
         ui.note(f"{resume} does not exist yet: starting a new session")
@@ -115,17 +104,17 @@ def chat(
             ui.note(ui.resume_line(stats, recomputed=0))
             _describe_history(session, resume, autosave)
             seen = Held.of(session.tokens, session.messages) if autosave == resume else None
-            _verify(session, stats, on_mismatch, interactive)
+            _verify(session, stats)
     elif opts.store_session is not None:
         stats = session.restore_store_session(opts.store_session)
         if stats is not None:
             ui.note(ui.resume_line(stats, recomputed=0))
             _describe_history(session, None, autosave)
-            _verify(session, stats, on_mismatch, interactive)
+            _verify(session, stats)
     target = AutosaveTarget(autosave, seen=seen) if autosave is not None else None
     keeping = Keeping(target, opts.store_session, force, BackgroundSaver(session))
     _say_where(keeping, opts.store)
-    from kvsnap.models.prepare import preload
+    from kvsnap.engine.prepare import preload
 
     preload(session.lm)  # the chat template's tokenizer and packed weights, while the user types
     if interactive:
@@ -216,16 +205,12 @@ def _describe_history(session, path: Path | None, autosave: Path | None) -> None
         ui.note(f"{path} has no chat history: its tokens are reused where the conversation matches them{kept}")
 
 
-def _verify(session, stats, policy: str, interactive: bool) -> None:
-    """Spot check the resumed KV (--verify, or by default when other versions or another device made it).
-    A mismatch keeps the conversation and computes its KV again on the next turn (--on-mismatch recompute,
-    or ask in a terminal: nothing is lost), else it is an error."""
-    from kvsnap.engine.verify import check
+def _verify(session, stats) -> None:
+    """Spot check the resumed KV (--verify, or by default when other versions or another device made it)."""
     from kvsnap.errors import VerifyError
 
-    mode = "recompute" if policy == "recompute" or (policy == "ask" and interactive) else "error"
     try:
-        report = check(session, stats, session.config.verify, mode)
+        report = session.verify_restored(stats)
     except VerifyError as exc:
         raise VerifyError(f"{exc} (--on-mismatch recompute computes the conversation's KV again)") from None
     if report is None:
@@ -266,7 +251,7 @@ def _autosave(session, keeping: Keeping, interactive: bool, *, background: bool 
     """Save to the autosave file, unless that would replace a conversation this chat does not continue:
     then ask (terminal) or save beside it (no terminal), and say which file holds what. The question is
     asked here, on the main thread; with ``background`` only the write itself runs in a thread."""
-    from kvsnap.autosave import AutosaveTarget, beside
+    from kvsnap.format.save_target import AutosaveTarget, beside
 
     target = keeping.target
     conflict = None if keeping.force else target.conflict(session.all_tokens, session.messages)
@@ -342,7 +327,7 @@ def _ask(question: str, choices: str, default: str) -> str:
 
 def _command(cmd: Command, session, keeping: Keeping, interactive: bool) -> bool:
     """Handle a slash command; returns False to quit."""
-    from kvsnap.autosave import AutosaveTarget
+    from kvsnap.format.save_target import AutosaveTarget
 
     name, arg = cmd.name, cmd.arg
     if name in ("/exit", "/quit"):

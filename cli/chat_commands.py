@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING
 from kvsnap_cli import ui
 
 if TYPE_CHECKING:
-    from kvsnap_cli.chat import Keeping
+    from kvsnap_cli.chat_keeping import Keeping
 
 
 def reset(session, keeping: Keeping) -> None:
     """A new conversation: where the old one was kept, it stays; the new one is kept beside it."""
-    from kvsnap.autosave import AutosaveTarget, beside
+    from kvsnap.format.save_target import AutosaveTarget, beside
 
     session.reset()
     said = ["conversation reset"]
@@ -34,7 +34,7 @@ def reset(session, keeping: Keeping) -> None:
 
 
 def stats(session, keeping: Keeping) -> None:
-    from kvsnap.models.prepare import forward_kind
+    from kvsnap.engine.prepare import forward_kind
 
     layout = session.lm.layout
     turns = sum(1 for m in (session.messages or []) if m["role"] == "user")

@@ -39,65 +39,65 @@ def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def open_store(path, budget: str | None):
-    """The block store behind --store/--store-budget, or None."""
-    if path is None:
-        if budget is not None:
-            from kvsnap.errors import ConfigError
+def default_store() -> Path:
+    """The block store a command uses when none is named: ``$KVSNAP_STORE``, else ``$KVSNAP_HOME/store``."""
+    from kvsnap.models.resolve import kvsnap_home
 
-            raise ConfigError("--store-budget needs --store DIR")
-        return None
-    from kvsnap.store import BlockStore, StoreError
+    return Path(os.environ.get("KVSNAP_STORE") or kvsnap_home() / "store")
+
+
+def open_store(path, budget: str | None):
+    """The block store behind --store/--store-budget, or None; a budget that cannot be written is a warning."""
+    from kvsnap.engine.assemble import open_store as open_block_store
     from kvsnap_cli.options import parse_size
 
     budget_bytes = parse_size(budget) if budget is not None else None
-    store = BlockStore(path)  # a folder that is not a store (a mistyped path) is an error, as it should be
-    if budget_bytes is not None:
-        try:
-            store.set_budget(budget_bytes)
-        except StoreError as exc:
-            # A store that cannot be written (a full disk) still serves what it holds: runs warn, not fail.
-            ui.note(f"warning: --store-budget not applied ({exc})")
-    return store
+    if path is None and budget_bytes is not None:
+        from kvsnap.errors import ConfigError
+
+        raise ConfigError("--store-budget needs --store DIR")
+    return open_block_store(path, budget_bytes, on_problem=ui.note)
+
+
+def measure_costs(lm) -> None:
+    """Measure this machine's load-or-recompute costs for ``lm``, with progress: once, when ``--reuse auto``
+    first has a stored prefix to decide on. Says so once if the result cannot be kept on disk."""
+    from kvsnap.engine import calibrate, costs
+
+    with ui.status("measuring load vs recompute for this model and dtype (once)") as update:
+        calibrate.calibrate(lm, progress=update)
+    if not costs.kept_on_disk(lm):
+        ui.note(f"could not keep the measurement in {costs.cache_path(lm).parent}: it is used by this process only")
 
 
 def open_session(
     opts: SessionOptions,
     session_config: SessionConfig | None = None,
     *,
-    reuses: bool = False,
+    workload: str = "once",
     prefetch: Path | None = None,
-    many_forwards: bool = False,
+    store: Any = "from options",
 ):
-    """The Session ``chat`` and ``run`` work with: settings checked, the block store opened, then the model
-    loaded. ``reuses``: a stored prefix may be loaded (--resume, --store, a batch), so ``--reuse auto``
-    needs this machine's cost model: measured now, once, with progress, rather than silently mid-request.
-    ``prefetch``: a snapshot the session will restore, read and decoded in a thread while the model loads
-    (kvsnap.format.prefetch; the restore claims it only if it is still that file). ``many_forwards``
-    (a chat, a batch): reserve the KV memory of ``--ctx-size`` now, unless a prefetch already holds it."""
+    """The Session ``chat``, ``run`` and ``serve`` work with (``kvsnap.open_session``): settings checked,
+    the block store opened, the model loaded with a spinner, the cost model measured when first needed."""
+    from kvsnap.engine.assemble import open_session as assemble
+
     session_config = session_config or opts.session_config()
-    if prefetch is not None and not str(opts.device).startswith(("cuda", "mps")):
-        from kvsnap.format import prefetch as prefetching
-
-        prefetching.start(prefetch)
-    block_store = open_store(opts.store, opts.store_budget)
+    block_store = open_store(opts.store, opts.store_budget) if store == "from options" else store
     startup.stamp("load")
-    # Imports torch and transformers too, inside the load's collector-off window (kvsnap_cli.startup).
-    lm = ui.load_model(
-        opts.model, opts.device, opts.dtype, check_layout=session_config.check_layout, ctx_size=opts.ctx_size
-    )
+    with ui.status(f"loading {opts.model}") as update:
+        session = assemble(
+            opts.model,
+            session_config,
+            device=opts.device,
+            dtype=opts.dtype,
+            ctx_size=opts.ctx_size,
+            store=block_store,
+            workload=workload,
+            prefetch=prefetch,
+            progress=update,
+            measure_costs=measure_costs,
+            loading=startup.collector_off,
+        )
     startup.stamp("loaded")
-    from kvsnap.engine.session import Session
-
-    if many_forwards and prefetch is None:
-        from kvsnap.models.prepare import reserve_context
-
-        reserve_context(lm)
-
-    if session_config.reuse == "auto" and (reuses or block_store is not None):
-        from kvsnap.engine.calibrate import cost_model
-
-        if cost_model(lm, measure=False) is None:
-            with ui.status("calibrating load vs recompute (once per machine)") as update:
-                cost_model(lm, progress=update)
-    return Session(lm, session_config, store=block_store)
+    return session

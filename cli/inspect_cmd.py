@@ -37,9 +37,10 @@ def inspect(
     """Show a snapshot: model, tokens, blocks, sizes, codec, chat turns, the versions that made it; with a
     prompt, its hit stats and where and why reuse stops (the first differing token, the text around it, a likely
     cause)."""
-    from kvsnap import describe
+    from kvsnap.engine import describe
     from kvsnap.errors import ConfigError
     from kvsnap.format.reader import Snapshot
+    from kvsnap.models.locate import locate_tokenizer
     from kvsnap_cli.batch import check_text, read_prompt_file
 
     check_text("--prompt", prompt)
@@ -47,7 +48,7 @@ def inspect(
     with Snapshot(file) as snap:
         model = snap.meta.model
         hint = snap.meta.extra.get("model_folder")
-    tokenizer, why = describe.locate_tokenizer(model, hint if isinstance(hint, str) else None)
+    tokenizer, why = locate_tokenizer(model, hint if isinstance(hint, str) else None)
     prompt_ids = None
     if prompt is not None or prompt_file is not None:
         if why is not None:
@@ -58,7 +59,7 @@ def inspect(
         prompt_ids = tokenizer.encode(text)
     running = None
     if run_model is not None and prompt_ids is not None:
-        from kvsnap.explain import running_model
+        from kvsnap.engine.explain import running_model
 
         running = running_model(run_model, namespace)
         if running is None:

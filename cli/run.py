@@ -55,10 +55,12 @@ def run(
     --system or a job's "messages", special-token text is kept as plain text.
     """
     startup.stamp("command")
+    import dataclasses
+
     from kvsnap.config import ON_MISMATCH, check_choice
-    from kvsnap.errors import ConfigError, KvsnapError
+    from kvsnap.errors import ConfigError
     from kvsnap.paths import open_regular
-    from kvsnap_cli.batch import Job, check_save_target, check_text, error_row, parse_jobs, read_lines, run_job
+    from kvsnap_cli.batch import check_save_target, check_text
 
     if batch is None and prompt is None and prompt_file is None:
         raise ConfigError("give --prompt, --prompt-file or --batch (see kvsnap run --help)")
@@ -69,7 +71,7 @@ def run(
     check_choice("--on-mismatch", on_mismatch, ON_MISMATCH)
     if resume_if_exists and resume is None and batch is None:
         raise ConfigError('--resume-if-exists needs --resume FILE (or --batch jobs with "resume")')
-    session_config = opts.session_config()
+    session_config = dataclasses.replace(opts.session_config(), on_mismatch=on_mismatch)
     check_save_target(save)
     for flag, text in (("--prompt", prompt), ("--system", system), ("--namespace", opts.namespace)):
         check_text(flag, text)  # before the model loads, not in the tokenizer after it
@@ -83,71 +85,71 @@ def run(
     if resume is not None and batch is None and not resume_if_exists and not resume.exists():
         raise ConfigError(f"{resume}: no such snapshot to resume (--resume-if-exists runs from scratch instead)")
     if batch is not None:
-        # Bytes, line by line: each line is decoded on its own, so one bad line is one error row.
-        lines = read_lines(sys.stdin.buffer if str(batch) == "-" else _open_batch(batch))
-    session = open_session(
-        opts,
-        session_config,
-        reuses=resume is not None or batch is not None,
-        prefetch=resume if batch is None and resume is not None and resume.exists() else None,
-        many_forwards=batch is not None,
-    )
-    startup.stamp("session")
-
-    if batch is None:
-        job = Job(
-            id=None,
-            prompt=prompt,
-            prompt_file=str(prompt_file) if prompt_file else None,
-            chat=chat,
-            system=system,
-            resume=str(resume) if resume else None,
-            save=str(save) if save else None,
-            resume_if_exists=resume_if_exists,
-        )
-        stream = None if json_out else ui.emit
-        with ui.prefill_progress() as progress:
-            row = run_job(
-                session,
-                job,
-                defaults,
-                on_text=stream,
-                on_progress=progress,
-                on_mismatch=on_mismatch,
-                store_session=opts.store_session,
-            )
-        if row.get("resume_missing"):
-            ui.note(f"{resume} does not exist yet: ran from scratch")
-        if row.get("restore_error"):
-            ui.note(f"snapshot refused, recomputed from scratch: {row['restore_error']}")
-        if row.get("store_error"):
-            ui.note(f"warning: {row['store_error']}")
-        if json_out:
-            row.pop("id")
-            if startup.TIMINGS:  # benchmarks/startup.py
-                startup.stamp("done")
-                row["timings"] = {
-                    "stamps": dict(startup.stamps),
-                    "load": dict(session.lm.load_timings),
-                    "backend": session.lm.backend,
-                }
-            ui.print_json(row)
-        else:
-            if row["text"] and not row["text"].endswith("\n"):
-                ui.emit("\n")
-            ui.note(_stats_line(row))
-            if row.get("verify"):
-                ui.note(ui.verify_line(row))
-            for line in ui.miss_lines(row["miss"]) if row.get("miss") else ():
-                ui.note(line)
+        _run_batch(opts, session_config, defaults, batch, resume, resume_if_exists)
         return
+    from kvsnap_cli.batch import Job
 
-    from kvsnap.models.prepare import start_packing
+    job = Job(
+        id=None,
+        prompt=prompt,
+        prompt_file=str(prompt_file) if prompt_file else None,
+        chat=chat,
+        system=system,
+        resume=str(resume) if resume else None,
+        save=str(save) if save else None,
+        resume_if_exists=resume_if_exists,
+    )
+    _run_one(opts, session_config, defaults, job, json_out)
 
-    # A batch runs many forwards: worth 0.2-0.6 s of packing once. Not the chat template's tokenizer in
-    # the background (as a chat does while its user types): here it would only slow the first job
-    # (0.9-1.6 s against 0.2 s for a 2-token prompt), and a batch of raw prompts never needs it.
-    start_packing(session.lm)
+
+def _run_one(opts: o.SessionOptions, session_config, defaults, job, json_out: bool) -> None:
+    """One prompt: its answer streamed (or one JSON object), the ledger on stderr."""
+    from kvsnap_cli.batch import run_job
+
+    resume = Path(job.resume) if job.resume is not None else None
+    prefetch = resume if resume is not None and resume.exists() else None
+    session = open_session(opts, session_config, prefetch=prefetch)
+    startup.stamp("session")
+    stream = None if json_out else ui.emit
+    with ui.prefill_progress() as progress:
+        row = run_job(session, job, defaults, on_text=stream, on_progress=progress, store_session=opts.store_session)
+    if not json_out and row["text"] and not row["text"].endswith("\n"):
+        ui.emit("\n")  # the notes below start on a line of their own, after the streamed answer
+    if row.get("resume_missing"):
+        ui.note(f"{resume} does not exist yet: ran from scratch")
+    if row.get("restore_error"):
+        ui.note(f"snapshot refused, recomputed from scratch: {row['restore_error']}")
+    if row.get("store_error"):
+        ui.note(f"warning: {row['store_error']}")
+    if json_out:
+        row.pop("id")
+        if startup.TIMINGS:  # benchmarks/startup.py
+            startup.stamp("done")
+            row["timings"] = {
+                "stamps": dict(startup.stamps),
+                "load": dict(session.lm.load_timings),
+                "backend": session.lm.backend,
+            }
+        ui.print_json(row)
+        return
+    ui.note(_stats_line(row))
+    if row.get("verify"):
+        ui.note(ui.verify_line(row))
+    for line in ui.miss_lines(row["miss"]) if row.get("miss") else ():
+        ui.note(line)
+
+
+def _run_batch(opts: o.SessionOptions, session_config, defaults, batch: Path, resume, resume_if_exists: bool) -> None:
+    """A JSONL batch: one result row per job on stdout; a failing job is an error row, not the end."""
+    from kvsnap.errors import KvsnapError
+    from kvsnap_cli.batch import check_save_target, error_row, parse_jobs, read_lines, run_job
+
+    # Bytes, line by line: each line is decoded on its own, so one bad line is one error row.
+    lines = read_lines(sys.stdin.buffer if str(batch) == "-" else _open_batch(batch))
+    # A batch runs many forwards: its weights are packed once (not the chat template's tokenizer in the
+    # background, which would only slow the first job: a batch of raw prompts never needs it).
+    session = open_session(opts, session_config, workload="batch")
+    startup.stamp("session")
     failed = 0
     for item in parse_jobs(lines, defaults):
         if isinstance(item, tuple):
@@ -160,7 +162,7 @@ def run(
             item = _with(item, resume_if_exists=True)
         try:
             check_save_target(item.save)  # a target the save would refuse fails the job before it runs
-            row = run_job(session, item, defaults, on_mismatch=on_mismatch)
+            row = run_job(session, item, defaults)
         except KvsnapError as exc:  # one bad job must not stop the batch
             failed += 1
             row = error_row(item.id, exc)

@@ -77,11 +77,12 @@ def serve(
 
       curl http://127.0.0.1:8080/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
     """
+    from types import SimpleNamespace
+
     from kvsnap.errors import ConfigError
-    from kvsnap.models.resolve import kvsnap_home
     from kvsnap.serve import ApiKeys, is_loopback, read_keys_file
     from kvsnap_cli.batch import check_text
-    from kvsnap_cli.common import open_store
+    from kvsnap_cli.common import default_store, open_session, open_store
 
     keys_given = list(api_key or [])
     if api_keys_file is not None:
@@ -99,14 +100,11 @@ def serve(
     session_config.check(with_store=not no_store)
     sock = _bind(host, port)  # a busy port fails now, not after the model load
     try:
-        store_path = None if no_store else (store or kvsnap_home() / "store")
+        store_path = None if no_store else (store or default_store())
+        opts = SimpleNamespace(model=model, device=device, dtype=dtype, ctx_size=ctx_size)
         block_store = open_store(store_path, store_budget) if store_path is not None else None
-        lm = ui.load_model(model, device, dtype, check_layout=session_config.check_layout, ctx_size=ctx_size)
-        from kvsnap.models.prepare import preload, reserve_context
-
-        reserve_context(lm)  # the KV memory of --ctx-size, before the first request
-        preload(lm)  # requests render chat templates and run many forwards
-        _run(lm, session_config, block_store, keys, max_queue, sock, model)
+        session = open_session(opts, session_config, workload="serve", store=block_store)
+        _run(session.lm, session_config, block_store, keys, max_queue, sock, model)
     finally:
         sock.close()
 

@@ -17,7 +17,7 @@ from kvsnap_cli import store_explain, store_ui, ui
 from kvsnap_cli.common import guarded
 
 if TYPE_CHECKING:
-    from kvsnap.describe import LightTokenizer
+    from kvsnap.models.locate import LightTokenizer
     from kvsnap.store import BlockStore
 
 app = typer.Typer(
@@ -98,7 +98,7 @@ def tree(
 
     `last use` counts on the store's use clock: the evictable leaf with the lowest goes first.
     """
-    from kvsnap.describe import find_tokenizer
+    from kvsnap.models.locate import find_tokenizer
 
     view = _open(store_dir).tree()
     tokenizers = {r["model"]: find_tokenizer(r["model"]) for r in view["roots"]}
@@ -327,7 +327,9 @@ def export(
     json_out: Json = False,
 ) -> None:
     """Write a stored session as a .kv snapshot, usable with --resume and `kvsnap inspect`."""
-    export = _open(store_dir).session_export(name)
+    from kvsnap.store.interchange import session_export
+
+    export = session_export(_open(store_dir), name)
     size = export.write(out)
     info = {
         "session": name,
@@ -360,12 +362,13 @@ def import_(
     """Add a .kv snapshot's blocks to the store (verified, stored once) and record it as a named session."""
     from kvsnap.errors import KvsnapError
     from kvsnap.store.folder import remove_new_store
+    from kvsnap.store.interchange import import_snapshot
 
     session = name if name is not None else file.stem
     existed = store_dir.exists()
     new = not existed or (store_dir.is_dir() and not any(store_dir.iterdir()))
     try:
-        result = _open(store_dir, create=True).import_snapshot(file, session, pin=True if pin_it else None)
+        result = import_snapshot(_open(store_dir, create=True), file, session, pin=True if pin_it else None)
     except KvsnapError:
         if new:
             # Leave nothing behind of a store this import made for a file that could not be added.

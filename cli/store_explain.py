@@ -1,5 +1,5 @@
 """``kvsnap store explain``: which stored prefix a prompt comes closest to, and why reuse stops there.
-No model, no torch: the tokenizer is read from the model's folder (``kvsnap.describe``)."""
+No model, no torch: the tokenizer is read from the model's folder (``kvsnap.engine.describe``)."""
 
 from __future__ import annotations
 
@@ -40,9 +40,9 @@ def explain(
     model is found too, and named as the reason a run would not reuse it.
     """
     from kvsnap import provenance
-    from kvsnap.describe import locate_tokenizer
+    from kvsnap.engine.explain import against_store, closest_stored, running_model
     from kvsnap.errors import ConfigError
-    from kvsnap.explain import against_store, closest_stored, running_model
+    from kvsnap.models.locate import locate_tokenizer
     from kvsnap_cli.batch import check_text, read_prompt_file
 
     if prompt is None and prompt_file is None:

@@ -95,25 +95,6 @@ def status(message: str) -> Iterator[Any]:
         yield lambda msg: st.update(msg)
 
 
-def load_model(spec: str, device: str, dtype: str, check_layout=None, ctx_size: int | None = None):
-    from kvsnap.models import load_model, resolve_model
-    from kvsnap_cli import startup
-
-    with status(f"loading {spec}") as update:
-        # A first use converts a GGUF model here, with the collector on (see kvsnap_cli.startup).
-        resolve_model(spec, progress=update, install=True)
-        with startup.collector_off():
-            return load_model(
-                spec,
-                device=device,
-                dtype=dtype,
-                progress=update,
-                install=True,
-                check_layout=check_layout,
-                ctx_size=ctx_size,
-            )
-
-
 @contextlib.contextmanager
 def prefill_progress(label: str = "prefill") -> Iterator[Any]:
     """A progress bar for long prefills, drawn only once a prefill proves long enough."""

@@ -8,8 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvsnap import describe
+from kvsnap.engine import describe
 from kvsnap.format import Snapshot
+from kvsnap.models.locate import find_tokenizer
 
 
 def main() -> None:
@@ -24,7 +25,7 @@ def main() -> None:
         print(f"raw KV {meta.kv_bytes:,} bytes, stored {meta.stored_bytes:,} bytes ({meta.codec})")
         print("every block verifies" if not snap.verify() else "damaged blocks found")
 
-    tokenizer = describe.find_tokenizer(meta.model, meta.extra.get("model_folder"))
+    tokenizer = find_tokenizer(meta.model, meta.extra.get("model_folder"))
     prompt_ids = tokenizer.encode(args.prompt) if (args.prompt and tokenizer) else None
     info = describe.describe(args.file, prompt_ids=prompt_ids, tokenizer=tokenizer)
     keys = ["tokens", "blocks", "kv_bytes", "file_bytes", "codec", "prompt_tokens", "hit_tokens", "prefill_tokens"]

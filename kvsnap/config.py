@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_BLOCK_SIZE = 64  # tokens per block: the unit of hashing, storage and reuse
 DEFAULT_CHUNK_SIZE = 512  # tokens per prefill forward
+CODECS = ("shuffle-zstd", "zstd", "raw")  # lossless: decode gives back the exact bytes (kvsnap.format.codec)
+LOSSY_CODECS = ("int8-zstd",)  # opt-in, never the default: named in the file
+ALL_CODECS = CODECS + LOSSY_CODECS
 DEFAULT_CODEC = "shuffle-zstd"
 DEFAULT_LEVEL = 1  # zstd level: 1 compresses float KV within 1% of level 3, several times faster
 DEFAULT_DEVICE = "auto"
@@ -66,8 +69,6 @@ CHAT_SAMPLING = SamplingParams(max_new_tokens=512, temperature=0.2, top_p=0.9, t
 
 def check_codec(codec: str) -> None:
     """Refuse an unknown snapshot codec."""
-    from kvsnap.format.codec import ALL_CODECS
-
     if codec not in ALL_CODECS:
         raise ConfigError(f"unknown codec {codec!r} (known: {', '.join(ALL_CODECS)})")
 
@@ -92,10 +93,11 @@ class SessionConfig:
     # only when the versions or device that made the KV differ from the running ones.
     verify: bool | None = None
     explain: bool = False  # say where reuse stopped and why (TurnResult.miss)
+    # A refused snapshot or a failed verify: "error" raises, "recompute" runs the prompt cold and says why.
+    on_mismatch: str = "error"
 
     def check(self, *, with_store: bool = False) -> SessionConfig:
         """Raise ``ConfigError`` for a setting that cannot work; returns self."""
-        from kvsnap.format.codec import LOSSY_CODECS
         from kvsnap.types import KV_DTYPES
 
         # The bounds a .kv file's reader enforces are refused here, not after a run at save time.
@@ -107,6 +109,7 @@ class SessionConfig:
 
         check_reuse(self.reuse)
         limits.check_level(self.level)
+        check_choice("on_mismatch", self.on_mismatch, ON_MISMATCH)
         if self.verify not in (True, False, None) or self.explain not in (True, False):
             raise ConfigError("verify must be True, False or None (automatic), and explain True or False")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:

@@ -48,3 +48,8 @@ class UnsupportedModelError(ModelError):
 
 class ConfigError(KvsnapError):
     """A setting (sampling, chunk size, device, dtype, ...) is invalid."""
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:200]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from kvsnap.errors import KvsnapError
 
@@ -73,6 +73,19 @@ def read_bounded(path: str | os.PathLike[str], limit: int, *, error: type[Kvsnap
     if len(data) > limit:
         raise error(f"{path}: {what} larger than {_size(limit)}")
     return data
+
+
+def json_object(path: str | os.PathLike[str], limit: int = 16 << 20) -> dict[str, Any] | None:
+    """A small JSON object file, or None when it is missing, not a regular file, too large, nested
+    past the parser's depth or not a JSON object: for files kvsnap reads only if they are sound (a
+    model folder's side files, its own caches), whose absence the caller handles."""
+    import json
+
+    try:
+        raw = json.loads(read_bounded(path, limit, error=KvsnapError))
+    except (KvsnapError, ValueError, RecursionError):
+        return None
+    return raw if isinstance(raw, dict) else None
 
 
 def check_save_target(path: str | os.PathLike[str], *, error: type[KvsnapError]) -> None:

@@ -9,6 +9,7 @@ the model is measured by ``kvsnap.engine.calibrate`` and kept as JSON under ``$K
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,9 @@ from typing import Any
 from kvsnap.errors import ConfigError
 
 REUSE_MODES = ("auto", "load", "recompute")
+# Bounds of a plausible measurement: a cost model outside them is damaged, not a slow machine.
+_MAX_SECONDS = 86_400.0
+_MAX_BYTES_PER_S = 1e13
 
 
 def check_reuse(mode: str) -> None:
@@ -63,10 +67,15 @@ class CostModel:
             model = cls(
                 str(data["key"]), prefill, float(data["load_bytes_per_s"]), float(data["load_overhead_s"]), loads
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ValueError(f"malformed cost model ({exc})") from None
-        if not prefill or model.load_bytes_per_s <= 0 or any(t < 0 for _, t in prefill):
-            raise ValueError("malformed cost model (no measurements)")
+        seconds = [t for _, t in prefill] + [t for *_, t in loads] + [model.load_overhead_s]
+        if not prefill or not all(math.isfinite(t) and 0 <= t <= _MAX_SECONDS for t in seconds):
+            raise ValueError("malformed cost model (no measurements, or seconds out of range)")
+        if not (math.isfinite(model.load_bytes_per_s) and 0 < model.load_bytes_per_s <= _MAX_BYTES_PER_S):
+            raise ValueError("malformed cost model (load rate out of range)")
+        if any(n <= 0 for n, _ in prefill) or any(n <= 0 or b <= 0 for n, b, _ in loads):
+            raise ValueError("malformed cost model (sizes out of range)")
         return model
 
 

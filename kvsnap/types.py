@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvsnap.hashing import checksum
+from kvsnap.hashing import chain_root, checksum
 
 KV_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}  # name -> bytes per element
 
@@ -52,6 +52,27 @@ class KVLayout:
 
     def describe(self) -> str:
         return f"{self.num_layers} layers x {self.num_kv_heads} kv heads x {self.head_dim} ({self.dtype})"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockFormat:
+    """How a session's KV becomes stored blocks: the chain they hash into (model fingerprint, namespace,
+    block size) and how each block is encoded (codec, level, storage dtype)."""
+
+    fingerprint: str
+    namespace: str
+    block_size: int
+    codec: str
+    level: int
+    storage_dtype: str
+
+    def root(self, block_size: int | None = None) -> bytes:
+        """The chain root of this model and namespace, at ``block_size`` (default: this format's)."""
+        return chain_root(self.fingerprint, self.namespace, block_size or self.block_size)
+
+    def encodes_like(self, block_size: int, codec: str, storage_dtype: str) -> bool:
+        """Blocks made with these settings are byte for byte what this format would write."""
+        return (block_size, codec, storage_dtype) == (self.block_size, self.codec, self.storage_dtype)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,8 +9,9 @@ from tiny_models import UNSUPPORTED, build_tokenizer, tiny_config
 from transformers import LlamaConfig, T5Config
 
 from kvsnap.engine import cache as kvcache
-from kvsnap.engine import restorer as kvrestorer
+from kvsnap.engine import kv_transfer
 from kvsnap.errors import UnsupportedModelError
+from kvsnap.models import architecture
 from kvsnap.types import KV_DTYPES
 
 
@@ -20,7 +21,7 @@ def config():
 
 
 def random_buffer(config, tokens: int, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
-    layout = kvcache.layout_of(config, dtype)
+    layout = architecture.layout_of(config, dtype)
     g = torch.Generator().manual_seed(seed)
     # buf: [layers, 2, kv_heads, tokens, head_dim]
     shape = (layout.num_layers, 2, layout.num_kv_heads, tokens, layout.head_dim)
@@ -44,20 +45,20 @@ def assert_cache_equals(cache, buf: torch.Tensor) -> None:
 
 
 def test_dtype_tables_agree_with_the_snapshot_format():
-    assert set(kvcache.TORCH_DTYPES) == set(KV_DTYPES)
-    for name, dtype in kvcache.TORCH_DTYPES.items():
+    assert set(architecture.TORCH_DTYPES) == set(KV_DTYPES)
+    for name, dtype in architecture.TORCH_DTYPES.items():
         assert torch.empty(0, dtype=dtype).element_size() == KV_DTYPES[name]
-        assert kvcache.DTYPE_NAMES[dtype] == name
+        assert architecture.DTYPE_NAMES[dtype] == name
 
 
 def test_layout_of(config):
-    layout = kvcache.layout_of(config, torch.bfloat16)
+    layout = architecture.layout_of(config, torch.bfloat16)
     assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype) == (2, 2, 16, "bfloat16")
     assert layout.bytes_per_token == 2 * 2 * 2 * 16 * 2
     mha = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=None, num_hidden_layers=3)
-    assert kvcache.layout_of(mha, torch.float32).num_kv_heads == 4
+    assert architecture.layout_of(mha, torch.float32).num_kv_heads == 4
     explicit = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=32)
-    assert kvcache.layout_of(explicit, torch.float32).head_dim == 32
+    assert architecture.layout_of(explicit, torch.float32).head_dim == 32
 
 
 def test_cache_from_buffer_views_the_buffer_without_copying(config):
@@ -75,7 +76,7 @@ def test_cache_from_buffer_views_the_buffer_without_copying(config):
 def test_block_raw_restore_cache_round_trip_is_bit_exact(config, dtype, block_size):
     total = 13
     buf = random_buffer(config, total, dtype)
-    layout = kvcache.layout_of(config, dtype)
+    layout = architecture.layout_of(config, dtype)
     cache = kvcache.cache_from_buffer(config, buf)
     raws, sizes = blocks_of(cache, total, block_size)
     for raw, n in zip(raws, sizes):
@@ -86,7 +87,7 @@ def test_block_raw_restore_cache_round_trip_is_bit_exact(config, dtype, block_si
     expect = buf[:, :, :, : sizes[0]].contiguous().view(torch.uint8).reshape(-1).numpy()
     assert np.array_equal(first, expect)
 
-    restored = kvrestorer.restore_cache(config, layout, raws, sizes, total, torch.device("cpu"))
+    restored = kv_transfer.restore_cache(config, layout, raws, sizes, total, torch.device("cpu"))
     assert restored.length == total
     assert_cache_equals(restored, buf)
     for layer in restored.layers:
@@ -95,23 +96,23 @@ def test_block_raw_restore_cache_round_trip_is_bit_exact(config, dtype, block_si
     # Fewer tokens than the blocks hold: a token-granular cut inside the last block read.
     cut = total - 2 if block_size > 2 else total - 1
     needed = -(-cut // block_size)
-    part = kvrestorer.restore_cache(config, layout, raws[:needed], sizes[:needed], cut, torch.device("cpu"))
+    part = kv_transfer.restore_cache(config, layout, raws[:needed], sizes[:needed], cut, torch.device("cpu"))
     assert part.length == cut
     assert_cache_equals(part, buf[:, :, :, :cut])
 
 
 def test_restore_cache_of_zero_tokens(config):
-    layout = kvcache.layout_of(config, torch.float32)
-    empty = kvrestorer.restore_cache(config, layout, [], [], 0, torch.device("cpu"))
+    layout = architecture.layout_of(config, torch.float32)
+    empty = kv_transfer.restore_cache(config, layout, [], [], 0, torch.device("cpu"))
     assert empty.length == 0
 
 
 def test_restore_cache_rejects_blocks_that_do_not_cover_the_tokens(config):
-    layout = kvcache.layout_of(config, torch.float32)
+    layout = architecture.layout_of(config, torch.float32)
     buf = random_buffer(config, 4)
     raws, sizes = blocks_of(kvcache.cache_from_buffer(config, buf), 4, 4)
     with pytest.raises(AssertionError):
-        kvrestorer.restore_cache(config, layout, raws, sizes, 6, torch.device("cpu"))
+        kv_transfer.restore_cache(config, layout, raws, sizes, 6, torch.device("cpu"))
 
 
 def test_crop_cuts_every_layer_even_uneven_ones(config):
@@ -152,7 +153,7 @@ def test_model_cache_round_trips_and_continues_identically(llama):
     run(ids, live, 0)
     assert live.length == 30
     raws, sizes = blocks_of(live, 30, 8)
-    restored = kvrestorer.restore_cache(lm.config, lm.layout, raws, sizes, 30, lm.device)
+    restored = kv_transfer.restore_cache(lm.config, lm.layout, raws, sizes, 30, lm.device)
     for a, b in zip(live.layers, restored.layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     expect = run(nxt, live, 30)
@@ -170,19 +171,19 @@ def test_forward_cache_kwarg():
         def forward(self, input_ids=None, past_key_values=None):
             pass
 
-    assert kvcache.forward_cache_kwarg(New()) == "cache"
-    assert kvcache.forward_cache_kwarg(Old()) == "past_key_values"
+    assert architecture.forward_cache_kwarg(New()) == "cache"
+    assert architecture.forward_cache_kwarg(Old()) == "past_key_values"
 
 
 def test_check_supported(config):
-    kvcache.check_supported(config)  # full attention: fine
+    architecture.check_supported(config)  # full attention: fine
     tok = build_tokenizer()
     for kind in UNSUPPORTED:
         cfg = tiny_config(kind, tok)
         with pytest.raises(UnsupportedModelError, match=cfg.model_type):
-            kvcache.check_supported(cfg)
+            architecture.check_supported(cfg)
     with pytest.raises(UnsupportedModelError, match="encoder-decoder"):
-        kvcache.check_supported(T5Config(num_layers=1, d_model=16, d_kv=4, num_heads=2, d_ff=32))
+        architecture.check_supported(T5Config(num_layers=1, d_model=16, d_kv=4, num_heads=2, d_ff=32))
 
 
 @pytest.mark.parametrize("slots", [1, 2, 4])
@@ -193,12 +194,12 @@ def test_the_staging_ring_restores_what_the_direct_path_does(slots):
     from concurrent.futures import ThreadPoolExecutor
 
     config = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32)
-    layout = kvcache.layout_of(config, torch.float32)
+    layout = architecture.layout_of(config, torch.float32)
     total, bs = 70, 8
     buf = torch.randn(2, 2, 2, total, 8)
     raws, sizes = blocks_of(kvcache.cache_from_buffer(config, buf), total, bs)
-    direct = kvrestorer.restore_cache(config, layout, raws, sizes, total, torch.device("cpu"))
-    ring = kvrestorer.Restorer(layout, total, torch.device("cpu"), block_tokens=bs, ring_slots=slots)
+    direct = kv_transfer.restore_cache(config, layout, raws, sizes, total, torch.device("cpu"))
+    ring = kv_transfer.KVTransfer(layout, total, torch.device("cpu"), block_tokens=bs, ring_slots=slots)
     starts = [i * bs for i in range(len(raws))]
     writable = [bytearray(r) for r in raws]
     with ThreadPoolExecutor(4) as pool:

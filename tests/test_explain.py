@@ -1,6 +1,6 @@
 """Explaining a miss: each cause is built on purpose, and the explanation must name it.
 
-The library (``kvsnap.explain``, ``Session`` with ``explain=True``), ``kvsnap inspect --prompt``,
+The library (``kvsnap.engine.explain``, ``Session`` with ``explain=True``), ``kvsnap inspect --prompt``,
 ``kvsnap run/chat --explain`` and ``kvsnap store explain``, on the tiny random-weight Llama.
 """
 
@@ -16,11 +16,11 @@ import pytest
 from tiny_models import perturbed_copy
 from typer.testing import CliRunner
 
-from kvsnap import explain
 from kvsnap.config import SamplingParams
-from kvsnap.describe import LightTokenizer
+from kvsnap.engine import explain
 from kvsnap.engine.session import Session
 from kvsnap.models import load_model
+from kvsnap.models.locate import LightTokenizer
 from kvsnap.store import BlockStore
 from kvsnap_cli.main import app
 
@@ -46,8 +46,8 @@ def save(lm, tokens: list[int], path: Path, messages=None, **settings) -> Path:
 
 
 def explained(lm, prompt: list[int], resume: Path | None = None, messages=None, **settings) -> dict:
-    s = Session(lm, block_size=settings.pop("block_size", BS), explain=True, **settings)
-    result = s.run(prompt, PRIME, resume=resume, on_mismatch="recompute", prompt_messages=messages)
+    s = Session(lm, block_size=settings.pop("block_size", BS), explain=True, on_mismatch="recompute", **settings)
+    result = s.run(prompt, PRIME, resume=resume, prompt_messages=messages)
     assert result.miss is not None
     return result.miss
 

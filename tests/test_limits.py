@@ -265,9 +265,9 @@ def test_ctx_size_caps_the_context_below_the_models(model, short_model, tmp_path
 def test_ctx_size_reserves_touched_kv_memory_that_the_first_session_takes(model):
     from kvsnap.config import SamplingParams
     from kvsnap.engine import arena
+    from kvsnap.engine.prepare import reserve_context
     from kvsnap.engine.session import Session
     from kvsnap.models import load_model
-    from kvsnap.models.prepare import reserve_context
 
     assert reserve_context(load_model(model, device="cpu")) is False  # nothing asked for: nothing reserved
     lm = load_model(model, device="cpu", ctx_size=300)

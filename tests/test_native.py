@@ -75,7 +75,7 @@ def test_the_plain_config_reads_what_transformers_reads(arch, tiny_model_dir):
     exactly what transformers' config class gives them."""
     from transformers import AutoConfig
 
-    from kvsnap.engine.cache import layout_of
+    from kvsnap.models.architecture import layout_of
     from kvsnap.models.load import max_positions_of
 
     folder = tiny_model_dir(arch)

@@ -16,9 +16,9 @@ import torch
 from test_native import NATIVE_ARCHS, _run
 
 from kvsnap.config import SamplingParams
+from kvsnap.engine.prepare import forward_kind, start_packing
 from kvsnap.engine.session import Session
 from kvsnap.models import load_model, native, packing
-from kvsnap.models.prepare import forward_kind, start_packing
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=6)
 IDS = list(range(3, 25))

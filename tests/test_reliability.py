@@ -215,7 +215,7 @@ def test_refused_snapshot_can_fall_back_to_recompute(llama, tmp_path):
     greedy = SamplingParams(max_new_tokens=4, temperature=0)
     with pytest.raises(SnapshotError):
         session.run(prompt, greedy, resume=bad)
-    result = Session(llama, block_size=8).run(prompt, greedy, resume=bad, on_mismatch="recompute")
+    result = Session(llama, block_size=8, on_mismatch="recompute").run(prompt, greedy, resume=bad)
     cold = Session(llama, block_size=8).run(prompt, greedy)
     assert result.restore_error and "bad.kv" in result.restore_error
     assert result.hit_tokens == 0 and result.prefill_tokens == len(prompt)

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvsnap.config import SamplingParams
-from kvsnap.engine import calibrate
+from kvsnap.engine import calibrate, costs
 from kvsnap.engine.session import Session
 from kvsnap.errors import ConfigError
 from kvsnap.models import load_model
@@ -71,7 +71,7 @@ def test_the_decision_never_changes_the_output(lm, primed, monkeypatch):
     assert (loaded.reuse_decision, loaded.hit_tokens) == ("load", 80)
     assert (recomputed.reuse_decision, recomputed.hit_tokens, recomputed.prefill_tokens) == ("recompute", 0, 100)
     # auto, driven by a fake cost model in which recomputing is cheap (a fast GPU, a small model)
-    monkeypatch.setattr(calibrate, "cost_model", lambda lm, **kw: fake(1e-9, 1.0, 1.0))
+    monkeypatch.setattr(costs, "cached", lambda lm: fake(1e-9, 1.0, 1.0))
     # (a library call never measures by itself: without a cost model, auto loads)
     auto = Session(lm, block_size=16).run(ids, GREEDY, resume=path)
     assert auto.reuse_decision == "recompute" and auto.text == loaded.text
@@ -89,10 +89,10 @@ def test_a_chat_that_recomputes_keeps_its_messages(lm, tmp_path):
 
 
 def test_calibration_is_measured_once_and_cached(lm, kvsnap_home):
-    calibrate.cache_path(lm).unlink(missing_ok=True)
+    costs.cache_path(lm).unlink(missing_ok=True)
     seen = Session(lm).runner.tokens_seen
     first = calibrate.cost_model(lm)
-    assert first.loads and first.prefill and calibrate.cache_path(lm).is_file()
+    assert first.loads and first.prefill and costs.cache_path(lm).is_file()
     counter = {"calls": 0}
     real = calibrate.calibrate
     try:

@@ -384,7 +384,7 @@ def session_state(s: Session):
         None if s.last_logits is None else s.last_logits.clone(),
         None if s.messages is None else [dict(m) for m in s.messages],
         cache_tensors(s),
-        sorted(s._encoded.by_hash),
+        sorted(s.encoded.by_hash),
     )
 
 

@@ -31,7 +31,8 @@ from kvsnap.errors import ConfigError, KvsnapError, SnapshotError
 from kvsnap.format import encode_block
 from kvsnap.format import meta as snapshot_meta
 from kvsnap.hashing import checksum
-from kvsnap.store import BlockIndex, BlockStore, ChainInfo, StoreError, block_keys
+from kvsnap.store import BlockStore, ChainInfo, StoreError, block_keys, interchange
+from kvsnap.store.index_json import index_from_json
 from kvsnap.types import EncodedBlock
 from kvsnap_cli.options import parse_size
 
@@ -86,7 +87,7 @@ def assert_consistent(path: Path) -> dict:
         assert {k: trailer[k] for k in b if k != "last_use"} == {k: v for k, v in b.items() if k != "last_use"}
         assert len(stored) == b["stored_bytes"] and checksum(stored) == b["checksum"], b["hash"]
         assert b["parent"] in hashes or (b["parent"] == b["root"] and b["root"] in roots), b["hash"]
-    assert BlockIndex.from_json(data).check() == []
+    assert index_from_json(data).check() == []
     return data
 
 
@@ -400,7 +401,7 @@ def test_damaged_block_is_refused_and_not_used(tmp_path):
     with pytest.raises(StoreError, match="damaged"):
         store.get(hashes[1])
     with pytest.raises(StoreError):
-        store.export_session("s", tmp_path / "s.kv")
+        interchange.export_session(store, "s", tmp_path / "s.kv")
     match, blocks = store.fetch(tokens, chain.root, 4)
     assert match.hit_tokens == 4 and len(blocks) == 1
     # Dropped with everything below it; the store is sound again, and a put repairs it.
@@ -551,13 +552,13 @@ def test_export_import_export_is_bit_identical(tmp_path, fixed_clock):
         tmp_path / "orig.kv", num_tokens=22, layout=layout, last_logits=logits, messages=messages, extra={"k": "v"}
     )
     first = BlockStore(tmp_path / "one")
-    first.import_snapshot(original.path, pin=True)
+    interchange.import_snapshot(first, original.path, pin=True)
     assert first.sessions()[0].name == "orig"
-    size = first.export_session("orig", tmp_path / "a.kv")
+    size = interchange.export_session(first, "orig", tmp_path / "a.kv")
 
     second = BlockStore(tmp_path / "two")
-    second.import_snapshot(tmp_path / "a.kv", "again")
-    second.export_session("again", tmp_path / "b.kv")
+    interchange.import_snapshot(second, tmp_path / "a.kv", "again")
+    interchange.export_session(second, "again", tmp_path / "b.kv")
 
     a, b = (tmp_path / "a.kv").read_bytes(), (tmp_path / "b.kv").read_bytes()
     assert a == b and len(a) == size
@@ -574,7 +575,7 @@ def test_export_reencodes_blocks_stored_with_another_codec(tmp_path, fixed_clock
     put(store, chain, system + [1, 2], "first", codec="zstd")
     tokens = system + [3, 4, 5, 6, 7]
     store.add_session("second", chain, tokens, make_blocks(chain, tokens, "shuffle-zstd"), codec="shuffle-zstd")
-    export = store.session_export("second")
+    export = interchange.session_export(store, "second")
     assert export.codec == "zstd"  # the shared first block's
     export.write(tmp_path / "s.kv")
     got = read_everything(tmp_path / "s.kv")
@@ -587,9 +588,9 @@ def test_export_of_an_evicted_session_is_refused(tmp_path):
     put(store, chain, list(range(10)), "s")
     store.set_budget(0)
     with pytest.raises(StoreError, match="lost 3 of its 3 blocks"):
-        store.export_session("s", tmp_path / "s.kv")
+        interchange.export_session(store, "s", tmp_path / "s.kv")
     with pytest.raises(StoreError, match="no session"):
-        store.export_session("nope", tmp_path / "n.kv")
+        interchange.export_session(store, "nope", tmp_path / "n.kv")
 
 
 def test_import_refuses_a_damaged_snapshot(tmp_path):
@@ -599,7 +600,7 @@ def test_import_refuses_a_damaged_snapshot(tmp_path):
     w.path.write_bytes(bytes(data))
     store = BlockStore(tmp_path / "store")
     with pytest.raises(SnapshotError):
-        store.import_snapshot(w.path)
+        interchange.import_snapshot(store, w.path)
     assert store.stats()["blocks"] == 0
 
 

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from kvsnap.config import SamplingParams
 from kvsnap.engine.session import Session
-from kvsnap.store import BlockStore
+from kvsnap.store import BlockStore, interchange
 from kvsnap_cli.main import app
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0)
@@ -97,7 +97,7 @@ def test_named_chat_session_in_the_store_pins_and_exports(llama, tmp_path):
     [record] = [s for s in store.sessions() if s.name == "mine"]
     store.pin("mine")
     out = tmp_path / "mine.kv"
-    store.export_session("mine", out)
+    interchange.export_session(store, "mine", out)
     resumed = Session(llama, block_size=8)
     resumed.restore(out)
     assert resumed.tokens == session.tokens and resumed.messages == session.messages

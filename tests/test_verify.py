@@ -25,7 +25,8 @@ from kvsnap.engine.session import Session
 from kvsnap.errors import VerifyError
 from kvsnap.format import Snapshot, encode_block, write_snapshot
 from kvsnap.models import load_model
-from kvsnap.store import BlockIndex, BlockStore
+from kvsnap.store import BlockStore
+from kvsnap.store.index_json import index_from_json, index_to_json
 from kvsnap_cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,7 +94,7 @@ def test_verify_catches_kv_changed_after_saving_and_resigned(llama, tmp_path):
     prompt = ids(40) + [70, 71, 72]
     with pytest.raises(VerifyError, match="differs from a recompute"):
         Session(llama, block_size=BS, verify=True).run(prompt, GREEDY, resume=snap)
-    result = Session(llama, block_size=BS, verify=True).run(prompt, GREEDY, resume=snap, on_mismatch="recompute")
+    result = Session(llama, block_size=BS, verify=True, on_mismatch="recompute").run(prompt, GREEDY, resume=snap)
     assert result.verify is not None and not result.verify["passed"]
     assert result.verify_max_abs_diff == pytest.approx(0.5, rel=1e-3)
     assert "differs from a recompute" in result.restore_error
@@ -169,9 +170,9 @@ def test_store_blocks_record_what_made_them_and_a_change_is_checked(llama, tmp_p
     index = store.read_index()
     running = provenance.encode(verify.running_made_by(llama))
     assert {r.made_by for r in index.blocks.values()} == {running}
-    data = index.to_json()
+    data = index_to_json(index)
     assert data["made_by"] == [json.loads(running)] and all(b["made_by"] == 0 for b in data["blocks"])
-    again = BlockIndex.from_json(data)
+    again = index_from_json(data)
     assert {r.made_by for r in again.blocks.values()} == {running}
     assert next(iter(again.chains.values())).parts == tuple(sorted(llama.fingerprint_parts.items()))
     assert store.tree()["roots"][0]["children"][0]["made_by"] == [json.loads(running)]
@@ -191,13 +192,13 @@ def test_store_blocks_record_what_made_them_and_a_change_is_checked(llama, tmp_p
 def test_an_index_without_records_still_loads(llama, tmp_path):
     store = BlockStore(tmp_path / "store")
     Session(llama, block_size=BS, store=store).run(ids(24), GREEDY)
-    data = store.read_index().to_json()
+    data = index_to_json(store.read_index())
     data.pop("made_by")
     for b in data["blocks"]:
         b.pop("made_by")
     for c in data["chains"]:
         c.pop("fingerprint_parts")
-    index = BlockIndex.from_json(data)
+    index = index_from_json(data)
     assert {r.made_by for r in index.blocks.values()} == {""} and index.check() == []
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvsnap.autosave import FileStamp, Held
+from kvsnap.format.save_target import FileStamp, Held
 
 if TYPE_CHECKING:
     from kvsnap.engine.results import SaveStats

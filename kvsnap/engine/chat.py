@@ -7,8 +7,8 @@ conversation (messages and KV) as it was before the turn.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvsnap import prefix
 from kvsnap.config import SamplingParams
@@ -17,11 +17,28 @@ from kvsnap.engine.runner import Generation
 from kvsnap.errors import StoreError
 
 if TYPE_CHECKING:
-    from kvsnap.engine.session import Session
+    from kvsnap.store import BlockStore
+
+
+class ChatHost(Protocol):
+    """What a chat turn uses of its session (``kvsnap.engine.session.Session``)."""
+
+    messages: list[dict[str, str]] | None
+    tokens: list[int]
+    pending: list[int]
+    store: BlockStore | None
+
+    def render_chat(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
+
+    def run(self, prompt_ids: Sequence[int], params: SamplingParams, **kw: Any) -> TurnResult: ...
+
+    def truncate(self, length: int) -> None: ...
+
+    def store_session(self, name: str) -> int: ...
 
 
 def chat_turn(
-    session: Session,
+    session: ChatHost,
     user_text: str,
     params: SamplingParams,
     *,
@@ -51,7 +68,7 @@ def chat_turn(
             # No answer was kept (an error, or Ctrl-C before it): the conversation stays as it was
             # before this turn, and the KV holds nothing the messages do not.
             session.pending = []
-            session._truncate(prefix.common_prefix_len(before_tokens, session.tokens))
+            session.truncate(prefix.common_prefix_len(before_tokens, session.tokens))
         raise
     if session.store is not None and store_session is not None:
         try:

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from kvsnap import hashing
-from kvsnap.engine.cache import KVCache
 from kvsnap.format.writer import encode_block
-from kvsnap.types import KV_DTYPES, EncodedBlock
+from kvsnap.types import KV_DTYPES, BlockFormat, EncodedBlock
+
+if TYPE_CHECKING:
+    from kvsnap.engine.cache import KVCache
 
 _ENCODE_WORKERS = 4
 
@@ -32,21 +35,12 @@ class EncodedBlocks:
             self._tail = None
 
     def encode(
-        self,
-        cache: KVCache,
-        tokens: Sequence[int],
-        first: int,
-        *,
-        block_size: int,
-        root: bytes,
-        codec: str,
-        level: int,
-        storage_dtype: str,
+        self, cache: KVCache, tokens: Sequence[int], fmt: BlockFormat, first: int = 0
     ) -> tuple[list[EncodedBlock], int]:
-        """Blocks ``first``.. of ``tokens`` (whose KV is in the cache) as stored, and how many had to be
-        encoded: blocks compressed earlier in the session (or read from a snapshot) are reused as
-        they are, the rest are encoded in parallel threads."""
-        bs = block_size
+        """Blocks ``first``.. of ``tokens`` (whose KV is in the cache) as ``fmt`` stores them, and how many
+        had to be encoded: blocks compressed earlier in the session (or read from a snapshot) are reused
+        as they are, the rest are encoded in parallel threads."""
+        bs, root, storage_dtype = fmt.block_size, fmt.root(), fmt.storage_dtype
         n = len(tokens)
         hashes = hashing.chain_hashes(tokens, bs, root)
         blocks: list[EncodedBlock | None] = []
@@ -71,7 +65,7 @@ class EncodedBlocks:
         def encode(job: tuple[int, int, int, bytes | None]) -> EncodedBlock:
             _, start, end, h = job
             raw = cache.block_raw(start, end, storage_dtype)
-            return encode_block(raw, end - start, h, itemsize, codec, level, storage_dtype)
+            return encode_block(raw, end - start, h, itemsize, fmt.codec, fmt.level, storage_dtype)
 
         with ThreadPoolExecutor(max_workers=_ENCODE_WORKERS) as pool:
             for (i, start, end, _), block in zip(todo, pool.map(encode, todo)):

@@ -1,7 +1,7 @@
 """Restoring a prefix's KV without running the model: from a ``.kv`` file or from the block store.
 
 Each function reads and checks everything first and returns a ``Restored`` state; the session
-commits it whole (``Session._commit``), so a failure leaves the session as it was.
+commits it whole, so a failure leaves the session as it was.
 """
 
 from __future__ import annotations
@@ -17,13 +17,15 @@ import numpy as np
 
 from kvsnap import prefix, provenance
 from kvsnap.engine import arena
-from kvsnap.engine.cache import TORCH_DTYPES, KVCache, cache_from_buffer
-from kvsnap.engine.restorer import Restorer
+from kvsnap.engine.cache import KVCache, cache_from_buffer
+from kvsnap.engine.kv_transfer import KVTransfer
+from kvsnap.engine.results import RestoreStats
 from kvsnap.format import prefetch
 from kvsnap.format.pool import Scratch, map_in_order
 from kvsnap.format.reader import Snapshot
+from kvsnap.models.architecture import TORCH_DTYPES
 from kvsnap.models.load import LoadedModel
-from kvsnap.types import EncodedBlock
+from kvsnap.types import BlockFormat, EncodedBlock
 
 if TYPE_CHECKING:
     from kvsnap.store import BlockStore
@@ -32,18 +34,6 @@ if TYPE_CHECKING:
 DECODE_ROOM = 256
 
 LoadOk = Callable[[int, int], bool]  # (hit_tokens, stored_bytes) -> load it (True) or recompute it
-
-
-@dataclass(frozen=True, slots=True)
-class RestoreStats:
-    path: str
-    snapshot_tokens: int
-    hit_tokens: int
-    blocks_read: int
-    seconds: float
-    block_size: int = 0  # of the blocks read (a .kv file's own, which may differ from the session's)
-    # Per block read, in order: kvsnap.provenance.encode of what computed its KV ("" unknown).
-    made_by: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,17 +51,14 @@ class Restored:
 def from_snapshot(
     lm: LoadedModel,
     path: str | Path,
-    root_for: Callable[[int], bytes],
+    fmt: BlockFormat,
     prompt_ids: Sequence[int] | None,
     *,
-    block_size: int,
-    codec: str,
-    storage_dtype: str,
     load_ok: LoadOk | None = None,
 ) -> Restored:
     """The longest prefix of ``prompt_ids`` a snapshot holds (all of it, with its chat messages, when
-    ``prompt_ids`` is None). Only the matched blocks are read. ``root_for(block_size)`` gives the
-    session's chain root; a snapshot under another root, model or layout is refused.
+    ``prompt_ids`` is None). Only the matched blocks are read. The snapshot's chain must be ``fmt``'s
+    (at the snapshot's own block size); one under another root, model or layout is refused.
 
     ``load_ok(hit_tokens, stored_bytes)`` may decide that recomputing the prefix is faster than
     loading it: then no block is read and nothing is restored (a chat keeps its messages).
@@ -85,7 +72,7 @@ def from_snapshot(
         pre = None
     with pre.snapshot if pre is not None else Snapshot(path) as snap:
         meta = snap.meta
-        root = root_for(meta.block_size)
+        root = fmt.root(meta.block_size)
         snap.check_compatible(
             model=lm.name,
             fingerprint=lm.fingerprint,
@@ -112,7 +99,7 @@ def from_snapshot(
         logits = snap.last_logits() if whole else None
         encoded = {}
         # Blocks kept as read are written as they are by the next save, if it encodes them the same way.
-        if meta.block_size == block_size and (meta.codec, meta.storage_layout.dtype) == (codec, storage_dtype):
+        if fmt.encodes_like(meta.block_size, meta.codec, meta.storage_layout.dtype):
             for i in range(hit // meta.block_size):
                 block = snap.encoded_block(i, stored[i])
                 encoded[block.hash] = block
@@ -129,7 +116,7 @@ def _read_blocks(lm: LoadedModel, snap: Snapshot, prompt_ids, hit: int, num_bloc
     """The first ``num_blocks`` blocks decoded into a cache of ``hit`` tokens, and their stored bytes."""
     meta = snap.meta
     room = max(len(prompt_ids or ()), hit) + DECODE_ROOM
-    restorer = Restorer(
+    restorer = KVTransfer(
         lm.layout,
         hit,
         lm.device,
@@ -152,10 +139,8 @@ def from_store(
     lm: LoadedModel,
     store: BlockStore,
     prompt_ids: Sequence[int],
-    root: bytes,
+    fmt: BlockFormat,
     *,
-    block_size: int,
-    codec: str,
     have: int,
     on_problem: Callable[[str], None] | None = None,
     load_ok: LoadOk | None = None,
@@ -173,6 +158,7 @@ def from_store(
         if on_problem is not None:
             on_problem(line)
 
+    block_size, root = fmt.block_size, fmt.root()
     if have >= len(prompt_ids) // block_size * block_size:
         # The store holds whole blocks only, so it cannot beat that: reading them (and recording their
         # use, an index write) would be wasted work on every turn of a conversation held in memory.
@@ -195,7 +181,8 @@ def from_store(
             return None
         hit = match.hit_tokens
         layout = lm.layout
-        restorer = Restorer(layout, hit, lm.device, capacity=len(prompt_ids) + DECODE_ROOM, block_tokens=block_size)
+        room = len(prompt_ids) + DECODE_ROOM
+        restorer = KVTransfer(layout, hit, lm.device, capacity=room, block_tokens=block_size)
         failed = _decode_store_blocks(restorer, blocks, block_size, layout.itemsize)
         if failed is None:
             break
@@ -207,13 +194,13 @@ def from_store(
             line = store.drop_damaged(blocks[i].record.hash, line)
         report(line)
         limit = i * block_size
-    encoded = {b.record.hash: b.encoded() for b in blocks if b.record.codec == codec}
+    encoded = {b.record.hash: b.encoded() for b in blocks if b.record.codec == fmt.codec}
     made_by = tuple(b.record.made_by for b in blocks)
     stats = RestoreStats("store", hit, hit, len(blocks), time.perf_counter() - t0, block_size, made_by)
     return Restored(restorer.finish(lm.config), list(prompt_ids[:hit]), None, encoded, None, stats)
 
 
-def from_store_session(lm: LoadedModel, store: BlockStore, name: str, root: bytes, *, codec: str) -> Restored | None:
+def from_store_session(lm: LoadedModel, store: BlockStore, name: str, fmt: BlockFormat) -> Restored | None:
     """Named store session ``name`` whole (tokens, partial tail, messages, last logits); None when the
     store has no such session. A session recorded under another model, namespace or block size is refused."""
     from kvsnap.errors import ForeignSnapshotError, StoreError
@@ -222,7 +209,7 @@ def from_store_session(lm: LoadedModel, store: BlockStore, name: str, root: byte
         return None
     t0 = time.perf_counter()
     chain, record, blocks, logits = store.read_session(name)
-    if record.root != root:
+    if record.root != fmt.root():
         raise ForeignSnapshotError(
             f"store session {name!r} was recorded for another model, namespace or block size "
             f"({chain.model}, block size {chain.block_size}); use another --store-session name"
@@ -231,11 +218,13 @@ def from_store_session(lm: LoadedModel, store: BlockStore, name: str, root: byte
         raise StoreError(f"store session {name!r}: cache layout {chain.layout.describe()} is not this model's")
     layout = lm.layout
     num_tokens = len(record.token_ids)
-    restorer = Restorer(layout, num_tokens, lm.device, capacity=num_tokens + DECODE_ROOM, block_tokens=chain.block_size)
+    restorer = KVTransfer(
+        layout, num_tokens, lm.device, capacity=num_tokens + DECODE_ROOM, block_tokens=chain.block_size
+    )
     failed = _decode_store_blocks(restorer, blocks, chain.block_size, layout.itemsize)
     if failed is not None:
         raise failed[1]
-    encoded = {b.record.hash: b.encoded() for b in blocks if b.record.full and b.record.codec == codec}
+    encoded = {b.record.hash: b.encoded() for b in blocks if b.record.full and b.record.codec == fmt.codec}
     last = np.frombuffer(logits, dtype="<f4").copy() if logits is not None else None
     messages = [dict(m) for m in record.messages] if record.messages is not None else None
     made_by = tuple(b.record.made_by for b in blocks)
@@ -245,7 +234,7 @@ def from_store_session(lm: LoadedModel, store: BlockStore, name: str, root: byte
     return Restored(restorer.finish(lm.config), list(record.token_ids), last, encoded, messages, stats)
 
 
-def _decode_store_blocks(restorer: Restorer, blocks, block_size: int, itemsize: int) -> tuple[int, Exception] | None:
+def _decode_store_blocks(restorer: KVTransfer, blocks, block_size: int, itemsize: int) -> tuple[int, Exception] | None:
     """Decode store blocks (the ``i``-th at token ``i * block_size``) into ``restorer`` on the decode
     threads; the first block in order that does not decode, with its ``StoreError``, or None."""
     from kvsnap.errors import StoreError

@@ -5,9 +5,19 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvsnap.engine.restore import RestoreStats
-
 __all__ = ["RestoreStats", "SaveStats", "TurnResult"]
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreStats:
+    path: str
+    snapshot_tokens: int
+    hit_tokens: int
+    blocks_read: int
+    seconds: float
+    block_size: int = 0  # of the blocks read (a .kv file's own, which may differ from the session's)
+    # Per block read, in order: kvsnap.provenance.encode of what computed its KV ("" unknown).
+    made_by: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,10 +53,30 @@ class TurnResult:
     verify_max_abs_diff: float | None = None
     verify_s: float | None = None
     verify: dict[str, Any] | None = None
-    miss: dict[str, Any] | None = None  # with explain: where reuse stopped and why (kvsnap.explain.Miss)
+    miss: dict[str, Any] | None = None  # with explain: where reuse stopped and why (kvsnap.engine.explain.Miss)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def of(cls, ledger: dict[str, Any], gen: Any, times: tuple[float, float, float, float], **more: Any) -> TurnResult:
+        """A request's result from its reuse ledger (``prefix.Ledger.as_dict``), its ``Generation`` (None
+        when nothing was generated), the clock at its start, after restore, prefill and decode, and the
+        remaining fields."""
+        t0, t1, t2, t3 = times
+        first = gen.first_token_at if gen is not None else None
+        return cls(
+            **ledger,
+            text=gen.text if gen is not None else "",
+            new_tokens=len(gen.token_ids) if gen is not None else 0,
+            stop_reason=gen.stop_reason if gen is not None else "none",
+            ttft_s=round(first - t0, 6) if first is not None else None,
+            restore_s=round(t1 - t0, 6),
+            prefill_s=round(t2 - t1, 6),
+            decode_s=round(t3 - t2, 6),
+            total_s=round(t3 - t0, 6),
+            **more,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,26 +20,28 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvsnap import explain as explaining
 from kvsnap import hashing, limits, prefix
-from kvsnap.config import ON_MISMATCH, SamplingParams, SessionConfig, check_choice
+from kvsnap.config import SamplingParams, SessionConfig
+from kvsnap.engine import costs, snapshot_save, store_save
+from kvsnap.engine import explain as explaining
 from kvsnap.engine import restore as restoring
-from kvsnap.engine import saving, storing
 from kvsnap.engine import verify as verifying
 from kvsnap.engine.cache import KVCache
+from kvsnap.engine.chat import chat_turn
 from kvsnap.engine.chat_template import render_chat
+from kvsnap.engine.contents import Contents
 from kvsnap.engine.encoded import EncodedBlocks
-from kvsnap.engine.restore import DECODE_ROOM, RestoreStats
-from kvsnap.engine.results import SaveStats, TurnResult
+from kvsnap.engine.restore import DECODE_ROOM
+from kvsnap.engine.results import RestoreStats, SaveStats, TurnResult
 from kvsnap.engine.runner import Generation, Runner, generate
-from kvsnap.errors import ConfigError, SnapshotError, StoreError
+from kvsnap.engine.verify import VerifyReport
+from kvsnap.errors import ConfigError, SnapshotError, StoreError, VerifyError
 from kvsnap.models.load import LoadedModel
+from kvsnap.types import BlockFormat
 
 if TYPE_CHECKING:
     from kvsnap.reuse import ReuseDecision
     from kvsnap.store import BlockStore
-
-_ENCODE_WORKERS = 4
 
 ProgressFn = Callable[[int, int], None]
 TextFn = Callable[[str], None]
@@ -60,10 +62,16 @@ class Session:
         config: SessionConfig | None = None,
         *,
         store: BlockStore | None = None,
+        measure_costs: Callable[[LoadedModel], object] | None = None,
         **settings: Any,
     ):
         """``config`` or its fields as keywords (``block_size``, ``chunk_size``, ``namespace``, ``codec``,
-        ``level``, ``kv_dtype``); every default lives in ``kvsnap.config``."""
+        ``level``, ``kv_dtype``, ...); every default lives in ``kvsnap.config``.
+
+        ``measure_costs(lm)``: called when ``reuse="auto"`` must decide whether to load a stored prefix
+        and this machine's cost model is not measured yet (``kvsnap.engine.calibrate.calibrate``, with
+        progress shown). Without it, an unmeasured machine loads: the library never runs the model to
+        measure behind its caller's back."""
         if config is None:
             try:
                 config = SessionConfig(**settings)
@@ -75,19 +83,19 @@ class Session:
         self.lm = lm
         self.runner = Runner(lm)
         self.store = store
+        self.measure_costs = measure_costs
         # Opt-in narrower storage of the KV in snapshots (lossy for a float32 cache); named in the file.
-        self.storage_dtype = config.kv_dtype or lm.layout.dtype
-        if store is not None and self.storage_dtype != lm.layout.dtype:
+        storage_dtype = config.kv_dtype or lm.layout.dtype
+        if store is not None and storage_dtype != lm.layout.dtype:
             raise ConfigError("a narrower --kv-dtype is for .kv files; the block store keeps the cache's own dtype")
+        self.block_format = BlockFormat(
+            lm.fingerprint, config.namespace, config.block_size, config.codec, config.level, storage_dtype
+        )
         self.reset()
 
     @property
     def block_size(self) -> int:
         return self.config.block_size
-
-    @property
-    def chunk_size(self) -> int:
-        return self.config.chunk_size
 
     @property
     def namespace(self) -> str:
@@ -96,10 +104,6 @@ class Session:
     @property
     def codec(self) -> str:
         return self.config.codec
-
-    @property
-    def level(self) -> int:
-        return self.config.level
 
     # -- state ------------------------------------------------------------------------------
 
@@ -110,12 +114,12 @@ class Session:
         self.cache = KVCache(self.lm.config)
         self.last_logits: torch.Tensor | None = None
         self.messages: list[dict[str, str]] | None = None
-        self._encoded = EncodedBlocks()
+        self.encoded = EncodedBlocks()  # blocks already encoded as a save would write them
         self.inherited_made_by: tuple[str, ...] = ()  # restored KV's provenance, per block (verify.recorded)
         self.last_reuse: ReuseDecision | None = None  # the last load-or-recompute decision
 
     def root(self, block_size: int | None = None) -> bytes:
-        return hashing.chain_root(self.lm.fingerprint, self.namespace, block_size or self.block_size)
+        return self.block_format.root(block_size)
 
     @property
     def num_tokens(self) -> int:
@@ -125,7 +129,9 @@ class Session:
     def all_tokens(self) -> list[int]:
         return self.tokens + self.pending
 
-    def _truncate(self, length: int) -> None:
+    def truncate(self, length: int) -> None:
+        """Keep only the first ``length`` tokens (and their KV); what was sampled and not yet run goes too
+        when anything is cut. Nothing is recomputed."""
         if length >= len(self.tokens):
             return
         self.cache.crop(length)
@@ -133,7 +139,7 @@ class Session:
         self.last_logits = None
         # Blocks past the cut will be recomputed; their encodings must not stand in for the new KV.
         keep = set(hashing.chain_hashes(self.tokens, self.block_size, self.root()))
-        self._encoded.keep_only(keep)
+        self.encoded.keep_only(keep)
 
     @contextlib.contextmanager
     def _rollback_on_error(self) -> Iterator[None]:
@@ -152,7 +158,7 @@ class Session:
         self.pending = []
         logits = state.last_logits
         self.last_logits = torch.from_numpy(logits).to(self.lm.device) if logits is not None else None
-        self._encoded = EncodedBlocks(state.encoded)
+        self.encoded = EncodedBlocks(state.encoded)
         self.messages = state.messages
         self.inherited_made_by = state.stats.made_by
         return state.stats
@@ -166,40 +172,25 @@ class Session:
         (lazily, block by block); without, the whole snapshot and its chat messages. On any error
         the session is left exactly as it was.
         """
-        state = restoring.from_snapshot(
-            self.lm,
-            path,
-            self.root,
-            prompt_ids,
-            block_size=self.block_size,
-            codec=self.codec,
-            storage_dtype=self.storage_dtype,
-            load_ok=self._load_ok,
-        )
+        state = restoring.from_snapshot(self.lm, path, self.block_format, prompt_ids, load_ok=self._load_ok)
         return self._commit(state)
 
     def _load_ok(self, hit_tokens: int, stored_bytes: int) -> bool:
-        """Load a stored prefix, or recompute it (``config.reuse``); the decision goes to the ledger."""
-        from kvsnap.engine.calibrate import decide_for
-
-        self.last_reuse = decide_for(self.lm, self.config.reuse, hit_tokens, stored_bytes)
+        """Load a stored prefix, or recompute it (``config.reuse``); the decision goes to the ledger.
+        Called only once the source was checked against this model and a prefix matched: the cost model
+        is measured (``measure_costs``) only when a decision needs it, never before a refusal."""
+        if self.config.reuse == "auto" and self.measure_costs is not None and costs.cached(self.lm) is None:
+            self.measure_costs(self.lm)
+        self.last_reuse = costs.decide_for(self.lm, self.config.reuse, hit_tokens, stored_bytes)
         return self.last_reuse.decision == "load"
 
     def restore_from_store(self, prompt_ids: Sequence[int], on_problem: TextFn | None = None) -> RestoreStats | None:
         """Take the longest prefix of ``prompt_ids`` held in the block store, if it beats what the session
         holds for this prompt, else None; the model does not run. ``on_problem``: see ``restore.from_store``."""
         assert self.store is not None
-        have, ids, bs = prefix.common_prefix_len(self.tokens, prompt_ids), prompt_ids, self.block_size
+        have = prefix.common_prefix_len(self.tokens, prompt_ids)
         state = restoring.from_store(
-            self.lm,
-            self.store,
-            ids,
-            self.root(),
-            block_size=bs,
-            codec=self.codec,
-            have=have,
-            on_problem=on_problem,
-            load_ok=self._load_ok,
+            self.lm, self.store, prompt_ids, self.block_format, have=have, on_problem=on_problem, load_ok=self._load_ok
         )
         return self._commit(state) if state is not None else None
 
@@ -207,19 +198,45 @@ class Session:
         """Resume named store session ``name`` whole (messages and KV, zero recompute); None when the
         store holds no such session."""
         assert self.store is not None
-        state = restoring.from_store_session(self.lm, self.store, name, self.root(), codec=self.codec)
+        state = restoring.from_store_session(self.lm, self.store, name, self.block_format)
         return self._commit(state) if state is not None else None
 
     def store_blocks(self) -> int:
         """Add the session's full blocks to the block store (blocks already there are not encoded
         again); returns how many blocks were new to the store."""
-        return storing.store_blocks(self)
+        assert self.store is not None
+        return store_save.store_blocks(self.store, self.contents())
 
     def store_session(self, name: str) -> int:
         """Record the whole session in the block store as session ``name`` (sampled tokens run first;
         partial tail block, chat messages and last logits included), which ``kvsnap store pin/export``
         work on; returns how many blocks were new to the store."""
-        return storing.store_session(self, name)
+        assert self.store is not None
+        self.flush()
+        return store_save.store_session(self.store, self.contents(), name)
+
+    def contents(self) -> Contents:
+        """What the session holds, for writing it out (sampled tokens not yet run stay out)."""
+        made_by = verifying.recorded(self.lm, self.inherited_made_by)
+        return Contents(
+            self.lm, self.block_format, self.tokens, self.cache, self.encoded, self.last_logits, self.messages, made_by
+        )
+
+    def verify_restored(self, stats: RestoreStats | None) -> VerifyReport | None:
+        """Spot check what was just restored (``config.verify``; see ``kvsnap.engine.verify``); None when
+        no check was due. A difference beyond the tolerance drops everything restored (the messages stay):
+        ``config.on_mismatch="error"`` then raises ``VerifyError``, ``"recompute"`` returns the report and
+        the next prefill computes the prompt whole."""
+        report = verifying.check(self.runner, self.cache, self.tokens, stats, self.config.verify)
+        if report is None:
+            return None
+        if report.refused is not None:
+            # Nothing restored is trusted now, not even the prefix before the block.
+            self.truncate(0)
+        self.inherited_made_by = ()  # checked (or dropped): what the session holds is its own now
+        if report.refused is not None and self.config.on_mismatch == "error":
+            raise VerifyError(f"{report.refused}; not reused")
+        return report
 
     # -- prefill and decode -------------------------------------------------------------------
 
@@ -235,8 +252,8 @@ class Session:
             raise ConfigError("the prompt is empty")
         hit = prefix.common_prefix_len(self.tokens, prompt)
         logits_at_hit = hit == len(self.tokens) and self.last_logits is not None
-        plan = prefix.plan_prefill(len(prompt), hit, self.chunk_size, logits_at_hit=logits_at_hit)
-        self._truncate(plan.hit_tokens)
+        plan = prefix.plan_prefill(len(prompt), hit, self.config.chunk_size, logits_at_hit=logits_at_hit)
+        self.truncate(plan.hit_tokens)
         self.pending = []
         if plan.chunks:
             self.cache.reserve(len(prompt) + DECODE_ROOM, self.lm.layout, self.lm.device)
@@ -281,19 +298,17 @@ class Session:
         resume: str | Path | None = None,
         on_text: TextFn | None = None,
         on_progress: ProgressFn | None = None,
-        on_mismatch: str = "error",
         store_session: str | None = None,
         on_generated: Callable[[Generation | None], None] | None = None,
         prompt_messages: Sequence[dict[str, str]] | None = None,
     ) -> TurnResult:
         """The whole path for one prompt: restore -> prefill the suffix -> decode.
 
-        ``on_mismatch="recompute"`` turns a refused snapshot (damaged, foreign, too new, or failing
-        ``config.verify``'s check) into a cold run that says why in ``restore_error``; the default raises
+        ``config.on_mismatch="recompute"`` turns a refused snapshot (damaged, foreign, too new, or failing
+        ``config.verify``'s check) into a cold run that says why in ``restore_error``; ``"error"`` raises
         the ``SnapshotError``. ``on_generated(gen)`` is called once decoding is done, before anything is
         written to the store. ``prompt_messages``: the chat messages ``prompt_ids`` render (explain uses them).
         """
-        check_choice("on_mismatch", on_mismatch, ON_MISMATCH)
         limits.check_tokens(len(prompt_ids), self.lm.max_positions, self.lm.context_source)  # before any work
         t0 = time.perf_counter()
         self.last_reuse = None
@@ -304,12 +319,12 @@ class Session:
             try:
                 restored = self.restore(resume, prompt_ids)
             except SnapshotError as exc:
-                if on_mismatch == "error":
+                if self.config.on_mismatch == "error":
                     raise
                 restore_error = str(exc)
         store_problems: list[str] = []  # a store that cannot be read or written is no store for this request
         store_hit = self.restore_from_store(prompt_ids, store_problems.append) if self.store is not None else None
-        checked = verifying.check(self, store_hit or restored, self.config.verify, on_mismatch)
+        checked = self.verify_restored(store_hit or restored)
         restore_error = restore_error or (checked.refused if checked is not None else None)
         t1 = time.perf_counter()
         plan, seen = self.prefill(prompt_ids, on_progress)
@@ -328,18 +343,11 @@ class Session:
                 store_new = self.store_session(store_session) if store_session is not None else self.store_blocks()
             except StoreError as exc:
                 store_problems.append(f"block store not updated: {exc}")
-        first = gen.first_token_at if gen is not None else None
-        return TurnResult(
-            **prefix.Ledger.of(plan, seen).as_dict(),
+        return TurnResult.of(
+            prefix.Ledger.of(plan, seen).as_dict(),
+            gen,
+            (t0, t1, t2, t3),
             logits_source=plan.logits_source,
-            text=gen.text if gen is not None else "",
-            new_tokens=len(gen.token_ids) if gen is not None else 0,
-            stop_reason=gen.stop_reason if gen is not None else "none",
-            ttft_s=round(first - t0, 6) if first is not None else None,
-            restore_s=round(t1 - t0, 6),
-            prefill_s=round(t2 - t1, 6),
-            decode_s=round(t3 - t2, 6),
-            total_s=round(t3 - t0, 6),
             restored_from="store" if store_hit is not None else (str(resume) if restored is not None else None),
             restore_error=restore_error,
             store_new_blocks=store_new,
@@ -369,8 +377,6 @@ class Session:
 
         With a block store and ``store_session``, the conversation is recorded there under that name.
         """
-        from kvsnap.engine.chat import chat_turn
-
         return chat_turn(
             self,
             user_text,
@@ -390,4 +396,5 @@ class Session:
         are; only new blocks are encoded, in parallel threads. ``flush=False``: sampled tokens not yet
         run through the model stay out of the file (a save that must not run the model: background_save).
         """
-        return saving.save(self, path, flush=flush)
+        flushed = self.flush() if flush else 0
+        return snapshot_save.save(self.contents(), path, flushed=flushed)

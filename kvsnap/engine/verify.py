@@ -27,18 +27,17 @@ the default model on a CPU: about twice a resume's time to first token, a few pe
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from kvsnap import provenance
-from kvsnap.errors import VerifyError
-
-if TYPE_CHECKING:
-    from kvsnap.engine.restore import RestoreStats
-    from kvsnap.engine.session import Session
-    from kvsnap.models.load import LoadedModel
+from kvsnap.engine.cache import KVCache
+from kvsnap.engine.results import RestoreStats
+from kvsnap.engine.runner import Runner
+from kvsnap.models.load import LoadedModel
 
 TOLERANCE = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 5e-2}
 
@@ -112,16 +111,15 @@ def running_made_by(lm: LoadedModel) -> dict[str, str]:
     }
 
 
-def recorded(session: Session) -> dict[str, Any]:
-    """The ``made_by`` a save records (as ``{"made_by": ...}``; ``{}`` for unknown): the running versions,
-    unless the session holds restored KV that other versions made and no check vouched for. Then that
+def recorded(lm: LoadedModel, inherited: Sequence[str]) -> dict[str, Any] | None:
+    """The ``made_by`` a save records (None for unknown): the running versions, unless the session holds
+    restored KV that other versions made (``inherited``, per block) and no check vouched for. Then that
     record stays (or none), so the next resume checks it again instead of trusting it by its new label."""
-    running = running_made_by(session.lm)
-    for text in session.inherited_made_by:
+    running = running_made_by(lm)
+    for text in inherited:
         if provenance.differences(text, running):
-            made = provenance.parse(text)
-            return {"made_by": made} if made is not None else {}
-    return {"made_by": running}
+            return provenance.parse(text)
+    return running
 
 
 def choose_block(stats: RestoreStats, num_tokens: int, verify: bool | None, running: dict[str, str]):
@@ -139,17 +137,15 @@ def choose_block(stats: RestoreStats, num_tokens: int, verify: bool | None, runn
     return None
 
 
-def check(session: Session, stats: RestoreStats | None, verify: bool | None, on_mismatch: str) -> VerifyReport | None:
-    """Spot check what ``session`` just restored (``stats``); None when no check was due.
-
-    A difference beyond the tolerance refuses the reuse: the restored KV is dropped (the session's messages
-    stay), then ``on_mismatch="error"`` raises ``VerifyError`` and ``"recompute"`` lets the prompt be computed
-    whole.
-    """
-    n = len(session.tokens)
+def check(
+    runner: Runner, cache: KVCache, tokens: Sequence[int], stats: RestoreStats | None, verify: bool | None
+) -> VerifyReport | None:
+    """Spot check the KV just restored (``stats``) into ``cache`` for ``tokens``; None when no check was
+    due. The live cache is not changed: a report with ``refused`` set says the reuse must be dropped."""
+    n = len(tokens)
     if stats is None or verify is False or not n or not stats.hit_tokens:
         return None
-    lm = session.lm
+    lm = runner.lm
     chosen = choose_block(stats, n, verify, running_made_by(lm))
     if chosen is None:
         return None
@@ -158,7 +154,7 @@ def check(session: Session, stats: RestoreStats | None, verify: bool | None, on_
     start, end = block * bs, min((block + 1) * bs, n)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        kv, logits, kv_scale, logits_scale = _recompute(session, start, end)
+        kv, logits, kv_scale, logits_scale = _recompute(runner, cache, tokens, start, end)
     tol = TOLERANCE[lm.layout.dtype]
     kv_allowed, logits_allowed = tol * max(1.0, kv_scale), tol * max(1.0, logits_scale)
     refused = None
@@ -169,23 +165,17 @@ def check(session: Session, stats: RestoreStats | None, verify: bool | None, on_
             f"{logits_allowed:.3g}); checked because: {reason}"
         )
     seconds = time.perf_counter() - t0
-    report = VerifyReport(
+    return VerifyReport(
         reason, block, start, end, end - start + 2, kv, logits, kv_allowed, logits_allowed, tol, seconds, refused
     )
-    if refused is not None:
-        # Nothing restored is trusted now, not even the prefix before the block: it is all dropped (the
-        # messages stay), and the whole prompt is computed again, or the error says why not.
-        session._truncate(0)
-    session.inherited_made_by = ()  # checked (or dropped): what the session holds is its own now
-    if refused is not None and on_mismatch == "error":
-        raise VerifyError(f"{refused}; not reused")
-    return report
 
 
-def _recompute(session: Session, start: int, end: int) -> tuple[float, float, float, float]:
+def _recompute(
+    runner: Runner, live: KVCache, ids: Sequence[int], start: int, end: int
+) -> tuple[float, float, float, float]:
     """Max |difference| of the K/V of tokens ``[start, end)`` and of the logits after ``end - 1``,
     recomputed vs restored, and the largest restored magnitudes (K/V, logits)."""
-    lm, runner, live, ids = session.lm, session.runner, session.cache, session.tokens
+    lm = runner.lm
     restored = live.span(start, end).float()
     # A scratch copy of the restored KV before the last token: its logits over the restored KV first,
     # then the block recomputed over the restored prefix, then the same logits over the recomputed KV.

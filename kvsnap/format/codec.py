@@ -16,12 +16,13 @@ import threading
 import numpy as np
 import zstandard as zstd
 
+# The codec names are settings (kvsnap.config); this module implements them and re-exports them.
+from kvsnap.config import ALL_CODECS as ALL_CODECS
+from kvsnap.config import CODECS as CODECS
 from kvsnap.config import DEFAULT_CODEC, DEFAULT_LEVEL
+from kvsnap.config import LOSSY_CODECS as LOSSY_CODECS
 
-CODECS = ("shuffle-zstd", "zstd", "raw")  # lossless: decode gives back the exact bytes
 # Opt-in, lossy, never the default: int8 with one float32 scale per group of 64 values, then zstd.
-LOSSY_CODECS = ("int8-zstd",)
-ALL_CODECS = CODECS + LOSSY_CODECS
 INT8_GROUP = 64
 
 _PLANE_RAW = 0

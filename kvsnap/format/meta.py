@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvsnap import hashing
-from kvsnap.errors import ConfigError, SaveError, SnapshotError, SnapshotVersionError
+from kvsnap.errors import ConfigError, SaveError, SnapshotError, SnapshotVersionError, one_line
 from kvsnap.format import codec as codecs
 from kvsnap.hashing import checksum
 from kvsnap.limits import (
@@ -202,11 +202,6 @@ class SnapshotMeta:
         return [b.hash for b in self.blocks if b.hash is not None]
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:200]
-
-
 def parse_meta(header_meta: dict[str, str] | None) -> SnapshotMeta:
     if not header_meta or "kvsnap" not in header_meta:
         raise SnapshotError("not a kvsnap snapshot (safetensors file without kvsnap metadata)")
@@ -232,7 +227,7 @@ def parse_meta(header_meta: dict[str, str] | None) -> SnapshotMeta:
     except SnapshotError:
         raise
     except (KeyError, TypeError, ValueError) as exc:
-        raise SnapshotError(f"metadata is malformed ({type(exc).__name__}: {_one_line(exc)})") from None
+        raise SnapshotError(f"metadata is malformed ({type(exc).__name__}: {one_line(exc)})") from None
 
 
 def _int(value: Any, name: str, lo: int, hi: int) -> int:

@@ -20,9 +20,9 @@ import numpy as np
 from safetensors import safe_open
 
 from kvsnap import hashing
-from kvsnap.errors import ForeignSnapshotError, SnapshotError
+from kvsnap.errors import ForeignSnapshotError, SnapshotError, one_line
 from kvsnap.format import codec as codecs
-from kvsnap.format.meta import _one_line, parse_meta
+from kvsnap.format.meta import parse_meta
 from kvsnap.format.pool import DECODE_WORKERS, Scratch, map_in_order
 from kvsnap.format.writer import block_name
 from kvsnap.hashing import checksum
@@ -67,7 +67,7 @@ class Snapshot:
             raise type(exc)(f"{self.path}: {exc}") from None
         except Exception as exc:
             self.close()
-            raise SnapshotError(f"{self.path}: damaged file ({_one_line(exc)})") from None
+            raise SnapshotError(f"{self.path}: damaged file ({one_line(exc)})") from None
 
     def _open_once(self) -> os.stat_result:
         """Map the file and validate it with safetensors; returns the mapped file's identity."""
@@ -91,7 +91,7 @@ class Snapshot:
             except Exception as exc:  # safetensors raises its own error types for every header problem
                 self.close()
                 raise SnapshotError(
-                    f"{self.path}: not a valid safetensors file ({_one_line(exc)}); truncated?"
+                    f"{self.path}: not a valid safetensors file ({one_line(exc)}); truncated?"
                 ) from None
         try:
             self._locate()
@@ -100,7 +100,7 @@ class Snapshot:
             raise SnapshotError(f"{self.path}: {exc}") from None
         except Exception as exc:
             self.close()
-            raise SnapshotError(f"{self.path}: damaged file ({_one_line(exc)})") from None
+            raise SnapshotError(f"{self.path}: damaged file ({one_line(exc)})") from None
         return st
 
     def __enter__(self) -> Snapshot:

@@ -1,8 +1,16 @@
 """Models: which folder a name means, what identifies its KV, and loading it.
 
-resolve      names to folders (default model, folder, .gguf, cached hub id); GGUF conversion
-fingerprint  the digests that key every hash chain to one model
-load         device, dtype, weights and tokenizer -> ``LoadedModel`` (imports torch)
+resolve          names to folders (default model, folder, .gguf, cached hub id); GGUF conversion
+locate           a snapshot's model folder and tokenizer on this machine, without loading anything
+fingerprint      the digests that key every hash chain to one model
+load             device, dtype, weights and tokenizer -> ``LoadedModel`` (imports torch when called)
+architecture     what a config says about the KV cache: its layout, whether kvsnap takes the model
+native_config    which configs the native forward takes (config.json read without transformers)
+native           a plain-torch Llama/Mistral/Qwen2 forward on the CPU
+attention        kvsnap's GQA-aware SDPA, registered with transformers
+packing          the native forward's linear weights reordered for oneDNN
+plain_tokenizer  a native folder's tokenizer.json on the ``tokenizers`` library
+chat_jinja       chat templates rendered on jinja2 alone, in transformers' sandbox
 """
 
 from kvsnap.config import DEFAULT_MODEL

@@ -14,7 +14,7 @@ from kvsnap.config import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MODEL
 from kvsnap.errors import ConfigError, ModelError
 from kvsnap.models.fingerprint import config_file, fingerprint_of, fingerprint_parts
 from kvsnap.models.resolve import Progress, is_ready, noop, quiet_transformers, resolve_model
-from kvsnap.paths import read_bounded
+from kvsnap.paths import json_object
 from kvsnap.types import KVLayout
 
 
@@ -44,7 +44,7 @@ def resolve_device(device: str = "auto"):
 
 
 def resolve_dtype(dtype: str, device) -> Any:
-    from kvsnap.engine.cache import TORCH_DTYPES
+    from kvsnap.models.architecture import TORCH_DTYPES
 
     if dtype == "auto":
         return TORCH_DTYPES["float32" if device.type == "cpu" else "bfloat16"]
@@ -130,18 +130,6 @@ def load_tokenizer(folder: Path, *, plain: bool = False):
         raise ModelError(f"cannot load the tokenizer from {folder}: {exc}") from None
 
 
-def json_object(path: Path, limit: int = 16 << 20) -> dict[str, Any] | None:
-    """A small JSON object file of a model folder, or None when it is missing, not a regular file,
-    too large or not a JSON object (whoever reads it next says what is wrong)."""
-    import json
-
-    try:
-        raw = json.loads(read_bounded(path, limit, error=ModelError, what="model file"))
-    except (ModelError, ValueError, RecursionError):
-        return None
-    return raw if isinstance(raw, dict) else None
-
-
 def _names_tokenizers_backend(folder: Path) -> bool:
     raw = json_object(folder / "tokenizer_config.json")
     return raw is not None and raw.get("tokenizer_class") == "TokenizersBackend" and "auto_map" not in raw
@@ -173,8 +161,7 @@ def load_model(
     import torch  # noqa: F401
 
     mark("torch")
-    from kvsnap.engine import cache
-    from kvsnap.models import native, native_config
+    from kvsnap.models import architecture, native, native_config
 
     mark("kvsnap.engine")
     dev = resolve_device(device)
@@ -185,8 +172,8 @@ def load_model(
     if config is None:
         config = _transformers_config(folder, mark)
     mark("config")  # with the import of transformers' config classes, unless native read it
-    cache.check_supported(config)
-    layout = cache.layout_of(config, torch_dtype)
+    architecture.check_supported(config)
+    layout = architecture.layout_of(config, torch_dtype)
     if check_layout is not None:
         check_layout(layout)
     if ctx_size is not None:  # before the weights load, like the layout
@@ -233,7 +220,7 @@ def load_model(
         fingerprint=fingerprint_of(parts),
         fingerprint_parts=parts,
         layout=layout,
-        cache_kwarg=cache.forward_cache_kwarg(model),
+        cache_kwarg=architecture.forward_cache_kwarg(model),
         eos_token_ids=frozenset(eos),
         max_positions=max_positions_of(config) if ctx_size is None else ctx_size,
         context_source=limits.MODEL_CONTEXT if ctx_size is None else limits.ASKED_CONTEXT,
@@ -258,7 +245,7 @@ def _load_with_transformers(folder: Path, config, dev, torch_dtype, mark: Callab
     quiet_transformers()
     from transformers import AutoModelForCausalLM
 
-    from kvsnap.engine import attention
+    from kvsnap.models import attention
 
     implementation = attention.implementation_for(dev)
     mark("attention")  # registering kvsnap_sdpa imports transformers.modeling_utils, which any model needs

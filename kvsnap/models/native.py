@@ -310,7 +310,7 @@ def _weight_files(folder: Path) -> list[Path]:
     if single.is_file():
         return [single]
     index = folder / "model.safetensors.index.json"
-    from kvsnap.models.load import json_object
+    from kvsnap.paths import json_object
 
     raw = json_object(index)
     weight_map = raw.get("weight_map") if raw is not None else None

@@ -39,7 +39,7 @@ _MAX_VOCAB = 100_000  # transformers rewrites the pre-tokenizer of larger vocabu
 
 def plain_tokenizer(folder: Path) -> PlainTokenizer | None:
     """The folder's tokenizer without transformers, or None when transformers must load it."""
-    from kvsnap.models.load import json_object
+    from kvsnap.paths import json_object
 
     config = json_object(folder / "tokenizer_config.json")
     if config is None or config.get("tokenizer_class") != "TokenizersBackend":

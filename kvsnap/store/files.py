@@ -29,6 +29,7 @@ from kvsnap.format.atomic import locked, replace_whole
 from kvsnap.hashing import checksum
 from kvsnap.store import blockfile
 from kvsnap.store.index import BlockIndex
+from kvsnap.store.index_json import index_from_json, index_to_json
 from kvsnap.store.reading import listdir, open_regular, read_at, read_regular
 from kvsnap.store.records import BlockRecord, ChainInfo, record_problem
 
@@ -93,12 +94,12 @@ class StoreFiles:
         except (ValueError, RecursionError):
             raise StoreError(f"{self.index_path}: store index is not valid JSON (damaged?); {hint}") from None
         try:
-            return BlockIndex.from_json(data)
+            return index_from_json(data)
         except StoreError as exc:
             raise StoreError(f"{self.index_path}: {exc}; {hint}") from None
 
     def save_index(self, index: BlockIndex) -> None:
-        text = json.dumps(index.to_json(), separators=(",", ":"), ensure_ascii=True).encode()
+        text = json.dumps(index_to_json(index), separators=(",", ":"), ensure_ascii=True).encode()
         write_file(self.index_path, [text])
 
     def has_blocks(self) -> bool:

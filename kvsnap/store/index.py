@@ -315,17 +315,3 @@ class BlockIndex:
         if +expect != +self.pins:
             problems.append("pin counts do not match the pinned sessions")
         return problems
-
-    # -- JSON (kvsnap/store/index_json.py) --------------------------------------------------------
-
-    def to_json(self) -> dict[str, Any]:
-        from kvsnap.store.index_json import index_to_json
-
-        return index_to_json(self)
-
-    @classmethod
-    def from_json(cls, data: Any) -> BlockIndex:
-        """Rebuild an index from ``to_json`` output; anything malformed raises ``StoreError``."""
-        from kvsnap.store.index_json import index_from_json
-
-        return index_from_json(data)

@@ -15,8 +15,8 @@ from kvsnap.format import codec as codecs
 from kvsnap.format.meta import SnapshotHeader
 from kvsnap.format.reader import Snapshot
 from kvsnap.format.writer import encode_block, write_snapshot
-from kvsnap.store.records import ChainInfo
-from kvsnap.store.store import BlockStore, PutResult
+from kvsnap.store.records import ChainInfo, PutResult
+from kvsnap.store.store import BlockStore
 from kvsnap.types import EncodedBlock, Messages
 
 
@@ -97,6 +97,11 @@ def refuse_inexact(path: str | os.PathLike[str], codec: str, cache_dtype: str, s
         raise StoreError(
             f"{path}: {why}; the block store keeps exact cache-dtype blocks only (resume the file with --resume)"
         )
+
+
+def export_session(store: BlockStore, name: str, path: str | os.PathLike[str]) -> int:
+    """Write store session ``name`` as a ``.kv`` snapshot (atomically); returns the file size."""
+    return session_export(store, name).write(path)
 
 
 def import_snapshot(

@@ -23,7 +23,7 @@ import dataclasses
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -49,9 +49,6 @@ from kvsnap.store.records import (
 from kvsnap.store.txn import Txn, put_blocks, put_result
 from kvsnap.types import EncodedBlock
 
-if TYPE_CHECKING:
-    from kvsnap.store.interchange import SessionExport
-
 
 class BlockStore:
     """A directory-backed, content-addressed store of encoded KV blocks keyed by chained block hash.
@@ -73,7 +70,7 @@ class BlockStore:
 
     def read_index(self) -> BlockIndex:
         """A copy of the index as it is now (for views, checks and tests)."""
-        with self._txn(write=False) as t:
+        with self.transaction(write=False) as t:
             return t.index
 
     def stats(self) -> dict[str, Any]:
@@ -96,7 +93,7 @@ class BlockStore:
         With ``touch`` (the default) the blocks found become the most recently used and the lookup
         counts in the hit statistics; without, the store is only read (shared lock).
         """
-        with self._txn(write=touch) as t:
+        with self.transaction(write=touch) as t:
             if touch:
                 t.optional = True
                 return t.index.lookup(prompt_ids, root, block_size)
@@ -109,7 +106,7 @@ class BlockStore:
         the match there (a miss costs a recompute, a damaged block would cost a wrong answer) and is
         dropped from the store with the blocks below it; ``match.dropped`` says so.
         """
-        with self._txn(write=True) as t:
+        with self.transaction(write=True) as t:
             t.optional = True
             index = t.index
             found = index.match(prompt_ids, root, block_size)
@@ -124,7 +121,7 @@ class BlockStore:
                     data = self.files.read_block(record)
                 except StoreError as exc:
                     index.counters["damaged"] += 1
-                    self._drop(t, h)
+                    t.drop_subtree(self.files, h)
                     dropped.append(f"dropped damaged block {h.hex()[:12]} from the store: {exc}")
                     break
                 blocks.append(StoredBlock(record, data))
@@ -136,16 +133,16 @@ class BlockStore:
     def drop_damaged(self, h: bytes, reason: str) -> str:
         """Drop block ``h`` and the blocks below it: a reader found it unusable (it did not decode).
         Returns the line that says so. Best effort: a store that cannot be written keeps it."""
-        with self._txn(write=True) as t:
+        with self.transaction(write=True) as t:
             t.optional = True
             if h in t.index.blocks:
                 t.index.counters["damaged"] += 1
-                self._drop(t, h)
+                t.drop_subtree(self.files, h)
         return f"dropped damaged block {h.hex()[:12]} from the store: {reason}"
 
     def get(self, h: bytes) -> bytes:
         """The stored bytes of block ``h``, checksum verified; ``StoreError`` if absent or damaged."""
-        with self._txn(write=False) as t:
+        with self.transaction(write=False) as t:
             record = t.index.blocks.get(h)
             if record is None:
                 raise StoreError(f"block {h.hex()[:12]} is not in the store")
@@ -170,11 +167,11 @@ class BlockStore:
         block turns out to be gone, only the blocks before it are stored. New blocks record
         ``made_by`` (``kvsnap.provenance.encode``: the software and device that computed them).
         """
-        with self._txn(write=True) as t:
+        with self.transaction(write=True) as t:
             hashes, new, reused = put_blocks(
                 self.files, t, chain, token_ids, blocks, codec, level, with_tail=False, made_by=made_by
             )
-            evicted = self._evict(t)
+            evicted = t.evict(self.files)
             t.optional = new == 0 and not evicted  # only recency changed
             return put_result(t.index, hashes, new, reused, evicted)
 
@@ -208,7 +205,7 @@ class BlockStore:
             logits = np.ascontiguousarray(last_logits, dtype="<f4").reshape(-1).tobytes()
             if len(logits) > BLOB_LIMIT:
                 raise StoreError(f"last-position logits of {len(logits):,} bytes are more than the store keeps")
-        with self._txn(write=True) as t:
+        with self.transaction(write=True) as t:
             index = t.index
             hashes, new, reused = put_blocks(
                 self.files, t, chain, token_ids, blocks, codec, level, with_tail=True, made_by=made_by
@@ -234,43 +231,43 @@ class BlockStore:
             )
             if old is not None:
                 self._forget_blob(t, old.logits)
-            evicted = self._evict(t)
+            evicted = t.evict(self.files)
             return put_result(index, hashes, new, reused, evicted)
 
     def pin(self, name: str) -> None:
         """Keep session ``name``'s blocks from eviction (reference counted across sessions)."""
-        with self._txn(write=True) as t:
+        with self.transaction(write=True) as t:
             t.index.set_session(dataclasses.replace(self._session(t.index, name), pinned=True))
 
     def unpin(self, name: str) -> list[bytes]:
         """Let session ``name``'s blocks be evicted again; evicts to the budget at once and returns what went."""
-        with self._txn(write=True) as t:
+        with self.transaction(write=True) as t:
             t.index.set_session(dataclasses.replace(self._session(t.index, name), pinned=False))
-            return self._evict(t)
+            return t.evict(self.files)
 
     def remove_session(self, name: str) -> list[bytes]:
         """Forget session ``name`` (its blocks stay, as cache); returns the blocks evicted to fit the budget."""
-        with self._txn(write=True) as t:
+        with self.transaction(write=True) as t:
             session = self._session(t.index, name)
             t.index.remove_session(name)
             self._forget_blob(t, session.logits)
-            return self._evict(t)
+            return t.evict(self.files)
 
     def set_budget(self, budget_bytes: int | None) -> list[bytes]:
         """Change the store's budget (None: unbounded) and evict to it; returns the evicted blocks in order."""
         if budget_bytes is not None and budget_bytes < 0:
             raise ConfigError(f"budget {budget_bytes} is negative")
-        with self._txn(write=True) as t:
+        with self.transaction(write=True) as t:
             same = t.index.budget_bytes == budget_bytes
             t.index.budget_bytes = budget_bytes
-            evicted = self._evict(t)
+            evicted = t.evict(self.files)
             t.optional = same and not evicted
             return evicted
 
     def evict_to_budget(self) -> list[bytes]:
         """Evict least recently used leaves (never one with a stored child or a pin) until the budget holds."""
-        with self._txn(write=True) as t:
-            return self._evict(t)
+        with self.transaction(write=True) as t:
+            return t.evict(self.files)
 
     # -- upkeep (kvsnap.store.upkeep says what each may delete) --------------------------------------
 
@@ -278,20 +275,20 @@ class BlockStore:
         """Tidy: remove crash leftovers and files the index does not name, drop blocks a run could not
         use (with ``verify``: read and decoded) and what is below them, drop unpinned sessions with no
         block left, fit the budget. Refused while the index is missing or unreadable (``repair`` first)."""
-        return upkeep.gc(self, verify)
+        return upkeep.gc(self.files, self.transaction, verify)
 
     def check(self) -> list[str]:
         """Problems found reading the whole store as runs read it (empty when sound)."""
-        return upkeep.check(self)
+        return upkeep.check(self.files)
 
     def repair(self) -> RepairReport:
         """Rebuild the index from what the block files prove; deletes nothing (see ``upkeep.repair``)."""
-        return upkeep.repair(self)
+        return upkeep.repair(self.files)
 
     def read_session(self, name: str) -> tuple[ChainInfo, SessionRecord, list[StoredBlock], bytes | None]:
         """Session ``name`` whole, in one transaction: its chain, record, every block (checked) and
         its logits; ``StoreError`` if a block is gone or damaged."""
-        with self._txn(write=False) as t:
+        with self.transaction(write=False) as t:
             index = t.index
             session = self._session(index, name)
             present = index.present_blocks(session)
@@ -305,32 +302,12 @@ class BlockStore:
             logits = self.files.read_blob(session.logits) if session.logits is not None else None
             return index.chains[session.root], session, blocks, logits
 
-    # -- .kv interchange (see kvsnap.store.interchange) ---------------------------------------------
-
-    def session_export(self, name: str) -> SessionExport:
-        """What ``write_snapshot`` needs to write session ``name``; ``StoreError`` if a block is gone or damaged."""
-        from kvsnap.store.interchange import session_export
-
-        return session_export(self, name)
-
-    def export_session(self, name: str, path: str | os.PathLike[str]) -> int:
-        """Write session ``name`` as a ``.kv`` snapshot (atomically); returns the file size."""
-        return self.session_export(name).write(path)
-
-    def import_snapshot(
-        self, path: str | os.PathLike[str], name: str | None = None, *, pin: bool | None = None
-    ) -> PutResult:
-        """Add a ``.kv`` file's blocks (verified, not re-encoded) and record it as session ``name``
-        (default: the file name without ``.kv``), with its chat messages and last-position logits."""
-        from kvsnap.store.interchange import import_snapshot
-
-        return import_snapshot(self, path, name, pin=pin)
-
     # -- internals -------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _txn(self, write: bool) -> Iterator[Txn]:
-        """One transaction: the lock, a freshly loaded index and, for writers, the index written back."""
+    def transaction(self, write: bool) -> Iterator[Txn]:
+        """One transaction: the lock, a freshly loaded index and, for writers, the index written back
+        (then the files it dropped are deleted)."""
         with self.files.lock(exclusive=write):
             t = Txn(self.files.load_index())
             yield t
@@ -354,16 +331,6 @@ class BlockStore:
         if session is None:
             raise StoreError(f"no session {name!r} in the store")
         return session
-
-    def _evict(self, t: Txn) -> list[bytes]:
-        evicted = t.index.evict()
-        t.doomed.extend(self.files.block_path(h) for h in evicted)
-        return evicted
-
-    def _drop(self, t: Txn, h: bytes) -> list[bytes]:
-        dropped = t.index.remove_subtree(h)
-        t.doomed.extend(self.files.block_path(x) for x in dropped)
-        return dropped
 
     def _forget_blob(self, t: Txn, blob_id: str | None) -> None:
         if blob_id is not None and all(s.logits != blob_id for s in t.index.sessions.values()):

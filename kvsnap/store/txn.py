@@ -29,6 +29,18 @@ class Txn:
         files.write(path, parts)
         self.dirs.add(path.parent)
 
+    def evict(self, files: StoreFiles) -> list[bytes]:
+        """Evict least recently used leaves until the budget holds; their files go once the index is saved."""
+        evicted = self.index.evict()
+        self.doomed.extend(files.block_path(h) for h in evicted)
+        return evicted
+
+    def drop_subtree(self, files: StoreFiles, h: bytes) -> list[bytes]:
+        """Drop block ``h`` and every block below it; their files go once the index is saved."""
+        dropped = self.index.remove_subtree(h)
+        self.doomed.extend(files.block_path(x) for x in dropped)
+        return dropped
+
 
 def put_blocks(
     files: StoreFiles,

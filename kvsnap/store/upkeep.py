@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import stat
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 from kvsnap.errors import StoreError
@@ -23,7 +25,7 @@ from kvsnap.store.index import BlockIndex
 from kvsnap.store.records import BlockRecord, GcReport, RepairReport, StoredBlock, record_problem
 
 if TYPE_CHECKING:
-    from kvsnap.store.store import BlockStore
+    from kvsnap.store.txn import Txn
 
 
 def block_problem(files: StoreFiles, index: BlockIndex, record: BlockRecord, verify: bool = True) -> str | None:
@@ -49,11 +51,10 @@ def block_problem(files: StoreFiles, index: BlockIndex, record: BlockRecord, ver
     return None
 
 
-def gc(store: BlockStore, verify: bool) -> GcReport:
-    files = store.files
+def gc(files: StoreFiles, transaction: Callable[[bool], AbstractContextManager[Txn]], verify: bool) -> GcReport:
     # Loading refuses a missing index while block files are here: gc never takes a lost index for an
     # empty store (it would delete every block as an orphan).
-    with store._txn(write=True) as t:
+    with transaction(True) as t:
         index = t.index
         entries = scan(files.root)
         # Under the exclusive lock no writer is active: kvsnap's temp files are a crash's leftovers.
@@ -62,7 +63,7 @@ def gc(store: BlockStore, verify: bool) -> GcReport:
         dropped = 0
         for h in bad:
             if h in index.blocks:
-                dropped += len(store._drop(t, h))
+                dropped += len(t.drop_subtree(files, h))
         index.counters["damaged"] += len(bad)
         empty = [s.name for s in index.sessions.values() if not s.pinned and index.present_blocks(s) == 0]
         for name in empty:
@@ -70,7 +71,7 @@ def gc(store: BlockStore, verify: bool) -> GcReport:
         for s in list(index.sessions.values()):
             if s.logits is not None and not files.blob_sound(s.logits):
                 index.set_session(dataclasses.replace(s, logits=None))
-        evicted = store._evict(t)
+        evicted = t.evict(files)
         keep = {files.block_path(h) for h in index.blocks} | {
             files.blob_path(s.logits) for s in index.sessions.values() if s.logits is not None
         }
@@ -83,8 +84,7 @@ def gc(store: BlockStore, verify: bool) -> GcReport:
         return GcReport(temp_files, orphans, dropped, len(empty), len(evicted), unknown)
 
 
-def check(store: BlockStore) -> list[str]:
-    files = store.files
+def check(files: StoreFiles) -> list[str]:
     with files.lock(exclusive=False):
         try:
             index = files.load_index()
@@ -110,8 +110,7 @@ def check(store: BlockStore) -> list[str]:
         return problems
 
 
-def repair(store: BlockStore) -> RepairReport:
-    files = store.files
+def repair(files: StoreFiles) -> RepairReport:
     with files.lock(exclusive=True):
         damaged_index = None
         try:

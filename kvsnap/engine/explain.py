@@ -92,8 +92,8 @@ def running_model(model: str, namespace: str = "", block_size: int = DEFAULT_BLO
 
     The KV dtype depends on the device a run picks, so it is left out: it is taken to be the source's.
     """
-    from kvsnap.describe import model_folder
     from kvsnap.models.fingerprint import config_digest, config_file, tokenizer_digest, weights_digest
+    from kvsnap.models.locate import model_folder
 
     folder = model_folder(model)
     if folder is None:

@@ -45,7 +45,7 @@ def reserve_context(lm: LoadedModel) -> bool:
     if lm.context_source != limits.ASKED_CONTEXT or lm.max_positions is None or lm.device.type != "cpu":
         return False
     from kvsnap.engine import arena
-    from kvsnap.engine.cache import TORCH_DTYPES
+    from kvsnap.models.architecture import TORCH_DTYPES
 
     layout = lm.layout
     dtype = TORCH_DTYPES[layout.dtype]

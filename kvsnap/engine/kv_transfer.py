@@ -1,6 +1,6 @@
 """Restored blocks into the KV buffer: straight in on the CPU, through a ring of pinned host slots to a GPU.
 
-``Restorer`` owns the one ``[layers, 2, kv_heads, capacity, head_dim]`` buffer a restore fills
+``KVTransfer`` owns the one ``[layers, 2, kv_heads, capacity, head_dim]`` buffer a restore fills
 (from the process's arena) and hands it to ``kvsnap.engine.cache`` as a cache at the end.
 """
 
@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from kvsnap.engine import arena
-from kvsnap.engine.cache import TORCH_DTYPES, KVCache, cache_from_buffer
+from kvsnap.engine.cache import KVCache, cache_from_buffer
+from kvsnap.models.architecture import TORCH_DTYPES
 from kvsnap.types import KVLayout
 
 # Restores to a GPU stage their blocks through a small ring of pinned host buffers (fast
@@ -23,7 +24,7 @@ PIN_STAGING = True
 RING_SLOTS = 4  # blocks in flight between decode threads and the device: enough to overlap, never the prefix
 
 
-class Restorer:
+class KVTransfer:
     """Decoded blocks go into one preallocated ``[layers, 2, kv_heads, capacity, head_dim]`` buffer on the device.
 
     ``write`` may be called from several threads at once (each block has its own slice). On the
@@ -168,7 +169,7 @@ def restore_cache(
     concatenated block by block, and the tokens that follow (up to ``capacity`` in all) are
     written in place.
     """
-    restorer = Restorer(layout, num_tokens, device, capacity)
+    restorer = KVTransfer(layout, num_tokens, device, capacity)
     pos = 0
     with warnings.catch_warnings():  # one thread here: read-only bytes make torch warn, harmlessly
         warnings.simplefilter("ignore", UserWarning)
