@@ -46,8 +46,8 @@ Dtype = Annotated[
     str,
     typer.Option(
         help="auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16 or float16. On a CPU with AMX or "
-        "AVX512-BF16 a bfloat16 resume took 0.56-0.66x float32's time (README, Benchmarks); its snapshots "
-        "are another model's KV (a float32 session refuses them)."
+        "AVX512-BF16, bfloat16 resumes and decodes faster (docs/benchmarks.md); its snapshots are another "
+        "model's KV (a float32 session refuses them)."
     ),
 ]
 BlockSize = Annotated[int, typer.Option(min=1, help="Tokens per snapshot block (the unit of hashing and storage).")]
