@@ -105,14 +105,43 @@ def test_verify_catches_kv_changed_after_saving_and_resigned(llama, tmp_path):
 
 
 def test_verify_passes_sound_kv_at_the_cost_of_one_block(llama, tmp_path, forward_counter):
-    snap = saved(llama, tmp_path / "a.kv", n=43)  # 5 full blocks and a partial tail
+    snap = saved(llama, tmp_path / "a.kv", n=43)  # 5 full blocks and a partial tail of 3 tokens
     prompt = ids(43) + [70, 71]
     counter = forward_counter(llama)
     result = Session(llama, block_size=BS, verify=True).run(prompt, GREEDY, resume=snap)
-    assert result.verify["passed"] and result.verify["reason"] == "requested" and result.verify["block"] == 4
-    assert result.verify_max_abs_diff == 0.0 and result.verify["logits_max_abs_diff"] == 0.0
+    # The partial tail is reused like any block: it is the one checked.
+    assert result.verify["passed"] and result.verify["reason"] == "requested" and result.verify["block"] == 5
+    # A 3-token recompute sums in another order than the 43-token prefill that made the tail: within 1e-5.
+    assert result.verify_max_abs_diff < 1e-5 and result.verify["logits_max_abs_diff"] < 1e-5
+    assert result.verify["stored_logits_max_abs_diff"] < 1e-5  # the file's last logits, checked too
     assert result.verify_s > 0 and result.restore_error is None and result.hit_tokens == 43
-    assert counter.tokens == result.prefill_tokens + result.new_tokens - 1 + (BS + 2)
+    assert counter.tokens == result.prefill_tokens + result.new_tokens - 1 + (3 + 2)
+
+
+def test_verify_catches_a_changed_partial_tail_block(llama, tmp_path):
+    snap = saved(llama, tmp_path / "a.kv", n=43)
+    perturb_and_resign(snap, block=5)  # the 3-token tail
+    prompt = ids(43) + [70, 71]
+    with pytest.raises(VerifyError, match="block 5 .*differs from a recompute"):
+        Session(llama, block_size=BS, verify=True).run(prompt, GREEDY, resume=snap)
+
+
+def test_verify_catches_changed_stored_logits(llama, tmp_path):
+    """A prompt the snapshot holds whole starts decoding from the file's last logits, with no forward:
+    a file whose logits were changed (and re-signed) must not make the answer."""
+    snap = saved(llama, tmp_path / "a.kv", n=43)
+    with Snapshot(snap) as s:
+        meta, tokens, logits = s.meta, list(s.tokens), s.last_logits()
+        blocks = [s.encoded_block(i, bytes(s.read_stored(i))) for i in range(len(meta.blocks))]
+    forged = logits.copy()
+    forged[int(forged.argmin())] = forged.max() + 50.0  # another token wins the greedy pick
+    write_snapshot(snap, meta.header, tokens, blocks, last_logits=forged, messages=meta.messages)
+    unchecked = Session(llama, block_size=BS, verify=False).run(ids(43), GREEDY, resume=snap)
+    assert unchecked.logits_source == "snapshot"  # what the check is for: the forged logits are used
+    with pytest.raises(VerifyError, match="stored logits"):
+        Session(llama, block_size=BS, verify=True).run(ids(43), GREEDY, resume=snap)
+    again = Session(llama, block_size=BS, verify=True, on_mismatch="recompute").run(ids(43), GREEDY, resume=snap)
+    assert again.text == Session(llama, block_size=BS).run(ids(43), GREEDY).text
 
 
 def test_matching_versions_run_no_extra_forward(llama, tmp_path, forward_counter):
@@ -226,7 +255,8 @@ def test_run_verify_flag_refuses_or_recomputes(tiny_model_dir, llama, tmp_path):
     assert row["verify"]["passed"] is False and row["hit_tokens"] == 0 and "recompute" in row["restore_error"]
     assert runner.invoke(app, [*args, "--no-verify", "--json"]).exit_code == 0
     shown = runner.invoke(app, [*args, "--verify", "--on-mismatch", "recompute"])
-    assert f"verified block {len(tokens) // BS - 1}" in shown.stderr and "refused" in shown.stderr
+    last = -(-len(tokens) // BS) - 1  # the last block restored, a partial tail included
+    assert f"verified block {last}" in shown.stderr and "refused" in shown.stderr
 
 
 def test_chat_recomputes_a_conversation_whose_kv_fails_the_check(llama, tiny_model_dir, tmp_path, kvsnap_home):

@@ -227,7 +227,7 @@ class Session:
         no check was due. A difference beyond the tolerance drops everything restored (the messages stay):
         ``config.on_mismatch="error"`` then raises ``VerifyError``, ``"recompute"`` returns the report and
         the next prefill computes the prompt whole."""
-        report = verifying.check(self.runner, self.cache, self.tokens, stats, self.config.verify)
+        report = verifying.check(self.runner, self.cache, self.tokens, stats, self.config.verify, self.last_logits)
         if report is None:
             return None
         if report.refused is not None:

@@ -17,7 +17,8 @@ order), and bfloat16 KV computed another way (a float32 run, rounded) by about 1
 2.4%: the bounds sit above that noise and far below a real change (another RoPE, other weights:
 differences of the order of the values themselves).
 
-When it runs: on request (``verify=True``: the last restored full block), or by default when the
+When it runs: on request (``verify=True``: the last restored block, a partial tail too, and the stored
+last logits when they came with the restore), or by default when the
 versions or device that made a restored block differ from the running ones (``verify=None``: the
 last block whose ``made_by`` differs; nothing runs, and nothing is paid, when they all match). The
 cost is one block's prefill plus two one-token forwards and a copy of the KV before the block (on
@@ -58,6 +59,7 @@ class VerifyReport:
     tolerance: float  # relative to the largest magnitude compared (at least 1)
     seconds: float
     refused: str | None = None  # why the reuse was refused (then it was recomputed), None when it passed
+    stored_logits_max_abs_diff: float | None = None  # the restored last logits vs computed (last block only)
 
     def ledger(self) -> dict[str, Any]:
         """The fields a ``TurnResult`` gets: ``verify_max_abs_diff``, ``verify_s`` and the details."""
@@ -69,6 +71,7 @@ class VerifyReport:
             "max_abs_allowed": self.max_abs_allowed,
             "logits_max_abs_allowed": self.logits_max_abs_allowed,
             "tolerance": self.tolerance,
+            "stored_logits_max_abs_diff": self.stored_logits_max_abs_diff,
             "passed": self.refused is None,
         }
         return {"verify": details, "verify_max_abs_diff": self.max_abs_diff, "verify_s": round(self.seconds, 6)}
@@ -123,11 +126,11 @@ def recorded(lm: LoadedModel, inherited: Sequence[str]) -> dict[str, Any] | None
 
 
 def choose_block(stats: RestoreStats, num_tokens: int, verify: bool | None, running: dict[str, str]):
-    """``(block, reason)`` to check, or None: the last full block on request, else (automatic) the last
-    block made by other versions or another device, if any."""
+    """``(block, reason)`` to check, or None: the last restored block on request (a partial tail too: its
+    KV is reused like any other), else (automatic) the last block made by other versions or another
+    device, if any."""
     bs = stats.block_size or num_tokens
-    full = num_tokens // bs
-    candidates = range(full - 1, -1, -1) if full else [0]  # a prefix shorter than a block: check it whole
+    candidates = range(-(-num_tokens // bs) - 1, -1, -1)
     made_by = stats.made_by
     for i in candidates:
         differs = provenance.differences(made_by[i] if i < len(made_by) else None, running)
@@ -138,10 +141,19 @@ def choose_block(stats: RestoreStats, num_tokens: int, verify: bool | None, runn
 
 
 def check(
-    runner: Runner, cache: KVCache, tokens: Sequence[int], stats: RestoreStats | None, verify: bool | None
+    runner: Runner,
+    cache: KVCache,
+    tokens: Sequence[int],
+    stats: RestoreStats | None,
+    verify: bool | None,
+    stored_logits: torch.Tensor | None = None,
 ) -> VerifyReport | None:
     """Spot check the KV just restored (``stats``) into ``cache`` for ``tokens``; None when no check was
-    due. The live cache is not changed: a report with ``refused`` set says the reuse must be dropped."""
+    due. The live cache is not changed: a report with ``refused`` set says the reuse must be dropped.
+
+    ``stored_logits``: the logits after ``tokens[-1]`` that came with the restore (a snapshot keeps them
+    so a prompt it holds whole needs no forward). When the block checked is the last one, they are
+    compared with the logits computed over the restored KV, which the check computes anyway."""
     n = len(tokens)
     if stats is None or verify is False or not n or not stats.hit_tokens:
         return None
@@ -154,9 +166,12 @@ def check(
     start, end = block * bs, min((block + 1) * bs, n)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        kv, logits, kv_scale, logits_scale = _recompute(runner, cache, tokens, start, end)
+        kv, logits, kv_scale, logits_scale, last = _recompute(runner, cache, tokens, start, end)
     tol = TOLERANCE[lm.layout.dtype]
     kv_allowed, logits_allowed = tol * max(1.0, kv_scale), tol * max(1.0, logits_scale)
+    stored = None
+    if stored_logits is not None and end == n:
+        stored = float((stored_logits.float().reshape(-1) - last.reshape(-1)).abs().max())
     refused = None
     if not (kv <= kv_allowed and logits <= logits_allowed):  # written so that NaN refuses too
         refused = (
@@ -164,17 +179,34 @@ def check(
             f"(logits {logits:.3g}), beyond the {lm.layout.dtype} tolerance ({kv_allowed:.3g}, logits "
             f"{logits_allowed:.3g}); checked because: {reason}"
         )
+    elif stored is not None and not stored <= logits_allowed:
+        refused = (
+            f"the stored logits after the last token differ from those computed over the restored KV by "
+            f"{stored:.3g}, beyond the {lm.layout.dtype} tolerance ({logits_allowed:.3g}); checked because: {reason}"
+        )
     seconds = time.perf_counter() - t0
     return VerifyReport(
-        reason, block, start, end, end - start + 2, kv, logits, kv_allowed, logits_allowed, tol, seconds, refused
+        reason,
+        block,
+        start,
+        end,
+        end - start + 2,
+        kv,
+        logits,
+        kv_allowed,
+        logits_allowed,
+        tol,
+        seconds,
+        refused,
+        stored,
     )
 
 
 def _recompute(
     runner: Runner, live: KVCache, ids: Sequence[int], start: int, end: int
-) -> tuple[float, float, float, float]:
+) -> tuple[float, float, float, float, torch.Tensor]:
     """Max |difference| of the K/V of tokens ``[start, end)`` and of the logits after ``end - 1``,
-    recomputed vs restored, and the largest restored magnitudes (K/V, logits)."""
+    recomputed vs restored, the largest restored magnitudes (K/V, logits), and the recomputed logits."""
     lm = runner.lm
     restored = live.span(start, end).float()
     # A scratch copy of the restored KV before the last token: its logits over the restored KV first,
@@ -188,4 +220,4 @@ def _recompute(
     logits_recomputed = runner.forward(scratch, ids[end - 1 : end], end - 1)
     kv = float((recomputed - restored).abs().max())
     logits = float((logits_recomputed - logits_restored).abs().max())
-    return kv, logits, float(restored.abs().max()), float(logits_restored.abs().max())
+    return kv, logits, float(restored.abs().max()), float(logits_restored.abs().max()), logits_recomputed.float()
