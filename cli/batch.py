@@ -206,6 +206,14 @@ def run_job(
     """
     session.reset()
     ids = prompt_ids(session, job)
+    messages = job_messages(job)
+
+    def keep(gen) -> None:
+        # A chat job's snapshot records its conversation, as a chat's does: explain and a later chat read it.
+        if messages is not None:
+            answer = [{"role": "assistant", "content": gen.text}] if gen is not None else []
+            session.messages = [*messages, *answer]
+
     resume = job.resume
     missing = resume is not None and not Path(resume).exists()
     if missing and not job.resume_if_exists:
@@ -217,7 +225,8 @@ def run_job(
         on_text=on_text,
         on_progress=on_progress,
         store_session=store_session,
-        prompt_messages=job_messages(job) if session.config.explain else None,
+        on_generated=keep,
+        prompt_messages=messages,
     )
     row: dict[str, Any] = {"id": job.id, **result.to_dict()}
     if missing:

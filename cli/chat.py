@@ -101,14 +101,14 @@ def chat(
         except SnapshotError as exc:
             force = _refused(exc, on_mismatch, interactive, autosave) or force
         else:
-            ui.note(ui.resume_line(stats, recomputed=0))
+            ui.note(ui.resume_line(stats, decided=session.last_reuse))
             _describe_history(session, resume, autosave)
             seen = Held.of(session.tokens, session.messages) if autosave == resume else None
             _verify(session, stats)
     elif opts.store_session is not None:
         stats = session.restore_store_session(opts.store_session)
         if stats is not None:
-            ui.note(ui.resume_line(stats, recomputed=0))
+            ui.note(ui.resume_line(stats, decided=session.last_reuse))
             _describe_history(session, None, autosave)
             _verify(session, stats)
     target = AutosaveTarget(autosave, seen=seen) if autosave is not None else None

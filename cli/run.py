@@ -201,12 +201,13 @@ def _with(job, **changes):
 def _stats_line(row: dict) -> str:
     parts = [
         f"{row['prompt_tokens']:,} prompt tokens",
-        f"{row['hit_tokens']:,} reused ({row['reuse_ratio']:.0%})",
+        f"{row['hit_tokens']:,} reused ({row['reuse_ratio']:.0%})"
+        + (f" (recomputed, not loaded: {row['reuse_reason']})" if row.get("reuse_decision") == "recompute" else ""),
         f"{row['prefill_tokens']:,} prefilled in {ui.plural(row['chunks'], 'chunk')}",
     ]
     if row.get("ttft_s") is not None:
         parts.append(f"ttft {row['ttft_s']:.3f} s")
-    reason = "stopped: the model's context is full" if row["stop_reason"] == "context" else row["stop_reason"]
+    reason = f"stopped: {ui.stop_words(row['stop_reason'])}" if row["stop_reason"] == "context" else row["stop_reason"]
     parts.append(f"{ui.plural(row['new_tokens'], 'new token')} ({reason})")
     if "saved" in row:
         parts.append(f"saved {row['saved']['path']} ({ui.human_bytes(row['saved']['file_bytes'])})")

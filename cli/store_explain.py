@@ -40,7 +40,8 @@ def explain(
     model is found too, and named as the reason a run would not reuse it.
     """
     from kvsnap import provenance
-    from kvsnap.engine.explain import against_store, closest_stored, running_model
+    from kvsnap.engine.explain import running_model
+    from kvsnap.engine.explain_sources import against_store, closest_stored
     from kvsnap.errors import ConfigError
     from kvsnap.models.locate import locate_tokenizer
     from kvsnap_cli.batch import check_text, read_prompt_file

@@ -141,14 +141,32 @@ def turn_stats(result: Any) -> str:
         rate = f", {result.new_tokens / result.decode_s:.1f} tok/s"
     ttft = f", ttft {result.ttft_s:.2f} s" if result.ttft_s is not None else ""
     source = " (logits from snapshot)" if result.logits_source == "snapshot" else ""
+    decided = f" (recomputed, not loaded: {result.reuse_reason})" if result.reuse_decision == "recompute" else ""
+    stop = "" if result.stop_reason in ("eos", "stop", "none") else f"; stopped: {stop_words(result.stop_reason)}"
     return (
-        f"[{result.prompt_tokens:,} prompt tokens: {result.hit_tokens:,} reused, {result.prefill_tokens:,} prefilled "
-        f"in {plural(result.chunks, 'chunk')}{source}{ttft}; {result.new_tokens} new{rate}]"
+        f"[{result.prompt_tokens:,} prompt tokens: {result.hit_tokens:,} reused{decided}, {result.prefill_tokens:,} "
+        f"prefilled in {plural(result.chunks, 'chunk')}{source}{ttft}; {result.new_tokens} new{rate}{stop}]"
     )
 
 
-def resume_line(stats: Any, recomputed: int = 0) -> str:
+def resume_line(stats: Any, recomputed: int = 0, decided: Any = None) -> str:
+    """The line a resume says; ``decided``: the load-or-recompute decision, when it chose to recompute."""
+    if decided is not None and decided.decision == "recompute" and not stats.hit_tokens:
+        return (
+            f"read the conversation from {stats.path}; its {stats.snapshot_tokens:,} tokens are recomputed on the "
+            f"next turn, not loaded ({decided.reason})"
+        )
     return f"resumed {stats.hit_tokens:,} tokens from {stats.path} in {stats.seconds:.2f} s ({recomputed:,} recomputed)"
+
+
+def stop_words(reason: str) -> str:
+    """Why generation stopped, in words, for a stop that is not the end of the answer."""
+    return {
+        "context": "the model's context is full",
+        "length": "--max-new-tokens reached",
+        "repetition": "the model started repeating itself",
+        "interrupted": "interrupted",
+    }.get(reason, reason)
 
 
 def save_line(stats: Any) -> str:

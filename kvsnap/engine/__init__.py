@@ -20,7 +20,8 @@ background_save  a snapshot save in a thread, the session left as it is until it
 costs            this machine's load-or-recompute cost model: kept, read back, the decision
 calibrate        measuring that cost model
 prepare          what a long-lived process prepares once its model is loaded
-explain          why a prompt reused less than it could (torch-free)
+explain          why a prompt reused less than it could: the causes, the ``Miss`` (torch-free)
+explain_sources  a miss against a ``.kv`` file, the block store or a session's own tokens (torch-free)
 describe         what a snapshot holds and what a prompt would reuse, for ``kvsnap inspect`` (torch-free)
 results          what a request and a save report
 """

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvsnap import prefix, provenance
 from kvsnap.config import DEFAULT_CHUNK_SIZE
-from kvsnap.engine import explain
+from kvsnap.engine import explain_sources
 from kvsnap.format.reader import Snapshot
 from kvsnap.models.locate import LightTokenizer
 
@@ -80,5 +80,5 @@ def describe(
                 logits_source=plan.logits_source,
             )
     if prompt_ids is not None and tokenizer is not None:
-        info["miss"] = explain.against_snapshot(path, prompt_ids, tokenizer.decode, running).as_dict()
+        info["miss"] = explain_sources.against_snapshot(path, prompt_ids, tokenizer.decode, running).as_dict()
     return info

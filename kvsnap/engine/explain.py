@@ -14,6 +14,7 @@ store records. Causes, as ``Miss.cause`` names them:
 - ``tokenization``: a tokenization boundary shifted: the same text, split into different tokens
   (a snapshot that ends mid-word: its last token merges with what follows);
 - ``text``: the text differs (with chat messages: which one);
+- ``reuse``: the tokens matched, but the load-or-recompute decision (``--reuse``) recomputed them;
 - ``none``: nothing was missed: the prompt continues all the source holds, or ends inside it.
 """
 
@@ -21,14 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvsnap import hashing, prefix
 from kvsnap.config import DEFAULT_BLOCK_SIZE
 
 if TYPE_CHECKING:
-    from kvsnap.store.closest import Closest
+    pass
 
 Decode = Callable[[list[int]], str]
 Messages = Sequence[dict[str, str]]
@@ -208,6 +208,12 @@ def _cause(
         if theirs != ours:
             change = "was added" if theirs is None else "was removed" if ours is None else "changed"
             return "system", f"the system message {change}"
+    if index == 0 and role != "system" and _before_content(prompt_messages[0], prompt_ids, pos, decode):
+        # No system message was given, so the template wrote its own default one where the source has another.
+        return "system", (
+            f"this prompt has no system message, so the chat template put in its default one; the {source} "
+            "was made with another (give the same system message)"
+        )
     if _same_text(prompt_ids, source_ids, pos, decode):
         a, b = decode(source_ids[pos : pos + 1]), decode(prompt_ids[pos : pos + 1])
         if role == "assistant":
@@ -262,6 +268,13 @@ def _message_at(messages: Messages, prompt_ids: list[int], pos: int, decode: Dec
     return None
 
 
+def _before_content(message: dict[str, str], prompt_ids: list[int], pos: int, decode: Decode) -> bool:
+    """Whether token ``pos`` comes before the text of ``message``, the prompt's first message."""
+    content = message.get("content") or ""
+    at = decode(prompt_ids).find(content) if content else -1
+    return at > 0 and len(decode(prompt_ids[:pos])) < at
+
+
 def _system(messages: Messages) -> str | None:
     return messages[0].get("content") if messages and messages[0].get("role") == "system" else None
 
@@ -269,122 +282,3 @@ def _system(messages: Messages) -> str | None:
 def _continues(prompt_messages: Messages, source_messages: Messages) -> bool:
     n = len(source_messages)
     return n <= len(prompt_messages) and [dict(m) for m in prompt_messages[:n]] == [dict(m) for m in source_messages]
-
-
-# -- sources: a .kv file, the block store, a session's own tokens ----------------------------------------
-
-
-def against_snapshot(
-    path: str | Path,
-    prompt_ids: Sequence[int],
-    decode: Decode,
-    running: Running | None = None,
-    *,
-    reused: int | None = None,
-    prompt_messages: Messages | None = None,
-) -> Miss:
-    """The prompt against a ``.kv`` file (its header and tokens only; no KV is read)."""
-    from kvsnap.format.reader import Snapshot
-
-    with Snapshot(path) as snap:
-        meta, tokens = snap.meta, snap.tokens
-    mismatch = chain_mismatch(
-        running,
-        model=meta.model,
-        fingerprint=meta.fingerprint,
-        parts=meta.fingerprint_parts,
-        kv_dtype=meta.layout.dtype,
-        root=meta.root,
-        block_size=meta.block_size,
-        check_block_size=False,  # a run reads a file in the file's own block size
-    )
-    if reused is None:
-        hit = prefix.match_prefix(prompt_ids, tokens, meta.block_hashes, meta.block_size, meta.root).hit_tokens
-        reused = 0 if mismatch else hit
-    return explain(
-        prompt_ids,
-        tokens,
-        decode,
-        block_size=meta.block_size,
-        reused=reused,
-        prompt_messages=prompt_messages,
-        source_messages=meta.messages,
-        mismatch=mismatch,
-    )
-
-
-def closest_stored(index: Any, prompt_ids: Sequence[int], running: Running | None = None) -> Closest | None:
-    """``store.closest.closest_in_store``, preferring on a tie the chain ``running`` keys its KV under."""
-    from kvsnap.store.closest import closest_in_store
-
-    def runs_under(chain: Any) -> bool:
-        fp = running.fingerprint(chain.layout.dtype) if running is not None else None
-        return fp is not None and hashing.chain_root(fp, running.namespace, running.block_size) == chain.root
-
-    return closest_in_store(index, prompt_ids, runs_under)
-
-
-def against_store(
-    index: Any, prompt_ids: Sequence[int], decode: Decode, running: Running | None = None, found: Closest | None = None
-) -> Miss | None:
-    """The prompt against the closest stored prefix (``found``, else ``closest_stored``'s; None for an empty
-    store). A run reuses whole blocks only: up to the last one before where the prompt and the stored tokens part."""
-    found = found or closest_stored(index, prompt_ids, running)
-    if found is None:
-        return None
-    chain = index.chains[found.root]
-    mismatch = chain_mismatch(
-        running,
-        model=chain.model,
-        fingerprint=chain.fingerprint,
-        parts=dict(chain.parts),
-        kv_dtype=chain.layout.dtype,
-        root=chain.root,
-        block_size=chain.block_size,
-        check_block_size=True,
-    )
-    where = f"{chain.model}, block size {chain.block_size}, {chain.layout.dtype}"
-    reused = 0 if mismatch else found.matched_blocks * chain.block_size
-    miss = explain(
-        prompt_ids, found.tokens, decode, block_size=chain.block_size, reused=reused, source="store",
-        mismatch=mismatch, where=where,
-    )  # fmt: skip
-    return miss
-
-
-def for_session(
-    session: Any,
-    prompt_ids: Sequence[int],
-    reused: int,
-    *,
-    resume: str | Path | None,
-    held: tuple[Sequence[int], Messages | None],
-    prompt_messages: Messages | None,
-) -> Miss | None:
-    """What a ``Session.run`` missed: against its ``resume`` file, else what the session held before,
-    else the block store; None when there was nothing to reuse from (or it cannot be read)."""
-    from kvsnap.errors import KvsnapError
-
-    lm = session.lm
-    running = Running(dict(lm.fingerprint_parts), session.namespace, session.block_size, lm.name)
-    decode = lm.tokenizer.decode
-    try:
-        if resume is not None and Path(resume).exists():
-            return against_snapshot(resume, prompt_ids, decode, running, reused=reused, prompt_messages=prompt_messages)
-        if held[0]:
-            return explain(
-                prompt_ids, held[0], decode, block_size=session.block_size, reused=reused, source="session",
-                prompt_messages=prompt_messages, source_messages=held[1],
-            )  # fmt: skip
-        if session.store is not None:
-            miss = against_store(session.store.read_index(), prompt_ids, decode, running)
-            return None if miss is None else _with_reused(miss, reused)
-    except KvsnapError:
-        return None  # the run said what failed (restore_error, store_error); there is nothing to explain
-    return None
-
-
-def _with_reused(miss: Miss, reused: int) -> Miss:
-    from dataclasses import replace
-
-    return replace(miss, reused_tokens=reused)

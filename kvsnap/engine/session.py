@@ -23,7 +23,7 @@ import torch
 from kvsnap import hashing, limits, prefix
 from kvsnap.config import SamplingParams, SessionConfig
 from kvsnap.engine import costs, snapshot_save, store_save
-from kvsnap.engine import explain as explaining
+from kvsnap.engine import explain_sources as explaining
 from kvsnap.engine import restore as restoring
 from kvsnap.engine import verify as verifying
 from kvsnap.engine.cache import KVCache

@@ -1,7 +1,7 @@
 """The stored prefix a prompt comes closest to, by token ids, in every chain of a block index. No files, no torch.
 
 A run looks its prompt up in one chain (its model, namespace and block size) and by hash; to explain
-a miss (``kvsnap.engine.explain.against_store``) every chain is searched by token ids instead, so a prefix
+a miss (``kvsnap.engine.explain_sources.against_store``) every chain is searched by token ids instead, so a prefix
 stored under another namespace, block size or model is found too, and can be named as the reason.
 """
 
