@@ -2,11 +2,12 @@
 
 Importing torch and transformers and loading a model make ~400k Python objects that live as long
 as the process. Python's cyclic garbage collector walks them again and again while they are made
-(~1.5 s of a 2-core VM's ~8.5 s to a loaded model) and once more at exit (1.7 s of a 2.2 s exit).
+(a sizeable share of the time to a loaded model) and once more at exit (most of the exit's time;
+docs/benchmarks.md has the figures).
 So a process the CLI owns (``kvsnap_cli.main.main``, not a test's in-process runner) loads its model with
 the collector off, then freezes what exists (``gc.freeze``: kept out of later collections, never
 walked again), and freezes again at exit. What stays frozen that was garbage is bounded: the cycles
-the imports and a load leave (~11k small objects, ~8 MB, no tensors, for the default model). A GGUF
+the imports and a load leave (small objects, no tensors). A GGUF
 conversion runs before this, with the collector on: the dequantized model it drops must be freed.
 
 ``KVSNAP_TIMINGS=1`` adds wall-clock stamps of each stage to ``kvsnap run --json`` (``timings``),
@@ -60,8 +61,8 @@ def exiting() -> None:
 def leave(code: object) -> None:
     """End a finished CLI process now, skipping the interpreter's teardown, or return if that is not safe.
 
-    Tearing down the modules torch and the model made costs ~0.25 s of a 2-core VM's ~0.35 s from
-    the last output to the exit, and the OS frees all of it anyway. Skipped only once the command is
+    Tearing down the modules torch and the model made is most of the time from the last output to
+    the exit, and the OS frees all of it anyway. Skipped only once the command is
     over: no thread of ours is still working (a non-daemon thread the interpreter would join, a
     background save say), the exit code is a plain number, and the output flushed (a stream that
     cannot be flushed, or is closed, leaves the exit to the interpreter, which reports it its own

@@ -61,9 +61,9 @@ class SamplingParams:
 
 # `kvsnap run` is for scripts: greedy by default, so the same prompt gives the same answer.
 RUN_SAMPLING = SamplingParams(max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0)
-# Measured (benchmarks/chat_quality.py, 5 factual questions x 20 seeds, SmolLM2-135M): 83% correct at
-# temperature 0.2 / top-p 0.9 against 75% at the old 0.7 / 0.95 (greedy: 4 of 5). A model's
-# own generation_config.json recommendation comes first.
+# Chosen by benchmarks/chat_quality.py (factual questions over many seeds, SmolLM2-135M): more correct
+# answers at temperature 0.2 / top-p 0.9 than at 0.7 / 0.95 (docs/benchmarks.md). A model's own
+# generation_config.json recommendation comes first.
 CHAT_SAMPLING = SamplingParams(max_new_tokens=512, temperature=0.2, top_p=0.9, top_k=0)
 
 

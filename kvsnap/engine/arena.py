@@ -1,11 +1,11 @@
 """KV buffers kept for reuse within a process: a restore or a prefill writes into pages already touched.
 
 A fresh ``[layers, 2, kv_heads, capacity, head_dim]`` buffer costs nothing to allocate but a page fault
-per 4 KiB the first time it is written: at a 4k context of the default model (190 MB) that is
-0.03-0.04 s on a fast machine and 0.18 s on a slow one, more than the decode of the blocks
-that fill it. So CPU buffers are pooled per process (like the decode threads): a buffer goes back
-to the pool by itself when no cache, restorer or array views it any more, and the next restore,
-prefill or fresh session of the same shape takes it, pages already mapped.
+per 4 KiB the first time it is written: at a few thousand tokens of context that costs more than
+decoding the blocks that fill it (docs/benchmarks.md). So CPU buffers are pooled per process (like
+the decode threads): a buffer goes back to the pool by itself when no cache, transfer or array views
+it any more, and the next restore, prefill or fresh session of the same shape takes it, pages
+already mapped.
 
 Whether a buffer is free is read from the references to it (its storage's use count and its
 Python reference count), not from callers remembering to give it back: a cache dropped anywhere

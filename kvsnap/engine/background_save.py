@@ -12,7 +12,7 @@ blocks; in a chat the save runs while the user reads the answer and types, so th
 
 The thread never runs the model, and neither does ``start``: tokens sampled but not yet run through it
 (``Session.pending``, the answer's last token) stay out of the file. Running them first would put a
-forward pass over the whole history back in front of the prompt (~0.5 s at 4k tokens on a 2-core CPU),
+forward pass over the whole history back in front of the prompt,
 and the next turn runs them anyway, as does a resumed chat (it re-renders the messages, which hold the
 whole answer, and prefills what the file lacks). The thread does not take Ctrl-C either (SIGINT is
 blocked in it, so the signal goes to the caller's thread). No printing here.

@@ -21,8 +21,8 @@ When it runs: on request (``verify=True``: the last restored block, a partial ta
 last logits when they came with the restore), or by default when the
 versions or device that made a restored block differ from the running ones (``verify=None``: the
 last block whose ``made_by`` differs; nothing runs, and nothing is paid, when they all match). The
-cost is one block's prefill plus two one-token forwards and a copy of the KV before the block (on
-the default model on a CPU: about twice a resume's time to first token, a few percent of a cold prefill).
+cost is one block's prefill plus two one-token forwards and a copy of the KV before the block
+(docs/explain-verify.md has the measured cost).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The threads that read and decode blocks: one pool per process, and per-read scratch buffers.
 
-zstd and numpy copies release the GIL, so blocks decode in parallel. Starting threads anew cost
-~1 ms each per restore, so the pool is kept for the process (and made afresh in a forked child,
+zstd and numpy copies release the GIL, so blocks decode in parallel. Starting threads anew is a
+cost paid on every restore, so the pool is kept for the process (and made afresh in a forked child,
 which inherits none of the parent's threads). No torch here.
 """
 

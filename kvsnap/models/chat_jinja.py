@@ -2,8 +2,8 @@
 it, with jinja2 alone, for plain chats.
 
 Why: rendering through transformers' tokenizer costs a process that has not imported transformers
-~1.2 s for the import of its tokenizer stack and ~0.5 s more loading the tokenizer (a 2-core VM),
-on the path of a first chat answer or a ``kvsnap run --chat``. The template only needs jinja2.
+the import of its tokenizer stack and the load of the tokenizer, on the path of a first chat answer
+or a ``kvsnap run --chat`` (docs/benchmarks.md). The template only needs jinja2.
 
 "The same rendering" means transformers' sandbox and variables, copied from
 ``transformers.utils.chat_template_utils`` (5.17-5.24): an ``ImmutableSandboxedEnvironment`` with

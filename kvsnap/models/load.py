@@ -110,7 +110,7 @@ def load_tokenizer(folder: Path, *, plain: bool = False):
     ``plain`` (a native Llama model): a folder whose tokenizer_config.json names ``TokenizersBackend``
     and no custom code gets that class, which is where ``AutoTokenizer`` ends for the llama model
     type (not for qwen2 or mistral, which it maps to their own classes), without the config import
-    it makes on the way (~1.5 s on a slow CPU); and where ``plain_tokenizer`` takes the folder, its
+    it makes on the way; and where ``plain_tokenizer`` takes the folder, its
     ``tokenizer.json`` on the ``tokenizers`` library, without importing transformers at all.
     """
     if plain:
@@ -157,7 +157,7 @@ def load_model(
     mark = _Stopwatch(timings)
     folder = resolve_model(spec, progress=progress, install=install)
     mark("resolve")
-    # A new process imports torch and transformers here (~3.5 s on a slow CPU).
+    # A new process imports torch (and transformers, where it is needed) here: most of its start.
     import torch  # noqa: F401
 
     mark("torch")
@@ -314,8 +314,8 @@ def _tied_aliases(folder: Path) -> dict[str, str]:
 
     safetensors' ``save_model`` keeps one name of a shared tensor (for a tied embedding, the output
     layer's ``lm_head.weight``) and notes the other in the file's metadata. transformers then loads
-    ``lm_head.weight``, fills ``model.embed_tokens.weight`` with random numbers (0.3 s for the
-    default model on a slow CPU; a large vocabulary costs seconds) and ties the two, overwriting
+    ``lm_head.weight``, fills ``model.embed_tokens.weight`` with random numbers (seconds
+    for a large vocabulary) and ties the two, overwriting
     them. Read under the embedding's name, the tensor is tied without the random fill. Only folders
     kvsnap converted (ready marker, one ``model.safetensors``) are read this way.
     """

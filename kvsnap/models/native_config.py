@@ -32,7 +32,7 @@ class PlainConfig:
     """A Llama-family ``config.json`` as attributes, read without transformers' config classes.
 
     Why: importing those (``PreTrainedConfig`` and its validators) pulls in ``torch.distributed.tensor``
-    and sympy, ~1.5 s of a new process on a slow CPU, to read a dozen numbers. ``plain_config`` makes
+    and sympy, a large part of a new process's start, to read a dozen numbers. ``plain_config`` makes
     one only for a config whose every value the native forward reads is written out (or has the one
     default all three families share) and describes a plain full-attention model; any other
     config.json is read by transformers. It offers what kvsnap reads of a config: attributes,

