@@ -208,3 +208,72 @@ def test_the_staging_ring_restores_what_the_direct_path_does(slots):
     assert ring.staging_bytes == slots * bs * layout.bytes_per_token
     for a, b in zip(direct.layers, restored.layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+@pytest.mark.parametrize(
+    ("codec", "kv_dtype", "dtype"),
+    [
+        ("shuffle-zstd", None, "float32"),
+        ("shuffle-zstd", None, "bfloat16"),
+        ("shuffle-zstd", "float16", "float32"),
+        ("zstd", None, "float32"),
+        ("raw", None, "bfloat16"),
+        ("int8-zstd", None, "float32"),
+    ],
+)
+def test_a_restore_staged_in_stored_order_equals_the_direct_one(tiny_lm, tmp_path, monkeypatch, codec, kv_dtype, dtype):
+    """The device path: each block decoded into a ring slot in the order it is stored (byte planes for
+    shuffle-zstd: the entropy stage only), copied as it is and interleaved by torch ops on the device.
+    Run here with the CPU as the device: the same bits as the direct restore, a partial tail included."""
+    from kvsnap.engine import restore as restoring
+    from kvsnap.engine.session import Session
+
+    lm = tiny_lm("llama", dtype)
+    s = Session(lm, block_size=8, codec=codec, kv_dtype=kv_dtype)
+    s.prefill(list(range(5, 5 + 45)))  # 5 full blocks and a 5-token tail
+    s.save(tmp_path / "a.kv")
+    direct = Session(lm, block_size=8, codec=codec, kv_dtype=kv_dtype)
+    direct.restore(tmp_path / "a.kv")
+    staged_kinds = []
+    real = kv_transfer.KVTransfer
+
+    def through_ring(*args, **kwargs):
+        transfer = real(*args, ring_slots=2, **kwargs)
+        staged_kinds.append(transfer.planes)
+        return transfer
+
+    monkeypatch.setattr(restoring, "KVTransfer", through_ring)
+    staged = Session(lm, block_size=8, codec=codec, kv_dtype=kv_dtype)
+    staged.restore(tmp_path / "a.kv")
+    assert staged_kinds == [codec == "shuffle-zstd"] and staged.tokens == direct.tokens
+    for a, b in zip(direct.cache.layers, staged.cache.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_a_damaged_block_staged_through_the_ring_gives_its_slot_back(tiny_lm, tmp_path, monkeypatch):
+    """A block that fails to decode into its slot must not leave the other readers waiting for one."""
+    from kvsnap.engine import restore as restoring
+    from kvsnap.engine.session import Session
+    from kvsnap.errors import SnapshotError
+    from kvsnap.format import Snapshot
+
+    lm = tiny_lm("llama")
+    s = Session(lm, block_size=8)
+    s.prefill(list(range(5, 5 + 64)))
+    path = tmp_path / "a.kv"
+    s.save(path)
+    real = kv_transfer.KVTransfer
+    monkeypatch.setattr(restoring, "KVTransfer", lambda *a, **k: real(*a, ring_slots=1, **k))
+    failing = {"n": 0}
+    real_decode = Snapshot.decode_block_into
+
+    def decode(self, index, stored, dst):
+        if index in (2, 5):
+            failing["n"] += 1
+            raise SnapshotError(f"block {index} does not decode (test)")
+        return real_decode(self, index, stored, dst)
+
+    monkeypatch.setattr(Snapshot, "decode_block_into", decode)
+    with pytest.raises(SnapshotError, match="does not decode"):
+        Session(lm, block_size=8).restore(path)  # returns (does not hang) with one slot and two failures
+    assert failing["n"] >= 1

@@ -2,6 +2,11 @@
 
 ``KVTransfer`` owns the one ``[layers, 2, kv_heads, capacity, head_dim]`` buffer a restore fills
 (from the process's arena) and hands it to ``kvsnap.engine.cache`` as a cache at the end.
+
+Through the ring, the CPU does only the entropy stage: a block is decoded into its slot in the order
+it is stored ("wire order"). For ``shuffle-zstd`` that is byte planes (all first bytes, all second
+bytes, ...): the slot is copied to the device as it is, and the byte-plane interleave runs there, on
+the device's own cores, as one transpose. Raw planes and raw blocks are a plain copy on the CPU.
 """
 
 from __future__ import annotations
@@ -45,8 +50,13 @@ class KVTransfer:
         *,
         block_tokens: int | None = None,
         ring_slots: int | None = None,
+        planes: bool = False,
     ):
+        """``planes``: blocks staged through the ring arrive as byte planes (the ``shuffle-zstd`` codec's
+        stored order, see ``stage``) and are interleaved on the device."""
         self.layout = layout
+        self.planes = planes
+        self._staged: dict[int, int] = {}  # block start -> ring slot holding it, between stage and done
         # Blocks stored narrower than the cache (opt-in) are cast back as they are copied in.
         self.source_dtype = TORCH_DTYPES[storage_dtype or layout.dtype]
         self.source_bytes_per_token = layout.bytes_per_token // layout.itemsize * self.source_dtype.itemsize
@@ -59,7 +69,7 @@ class KVTransfer:
         self.ring: _Ring | None = None
         self._bytes: np.ndarray | None = None  # the buffer's bytes as numpy, made on first use
         if num_tokens and (ring_slots is not None or device.type != "cpu"):
-            per_slot = min(block_tokens or num_tokens, num_tokens)
+            per_slot = block_tokens or num_tokens  # a block is staged whole, even where only part is used
             self.ring = _Ring(ring_slots or RING_SLOTS, (L, 2, H, per_slot, D), self.dtype, device)
 
     def target(self, start: int, block_tokens: int) -> np.ndarray | None:
@@ -74,6 +84,44 @@ class KVTransfer:
             L, _, H, cap, D = self.buf.shape
             self._bytes = self.buf.view(torch.uint8).numpy().reshape(L, 2, H, cap, D, self.dtype.itemsize)
         return self._bytes[:, :, :, start : start + block_tokens]
+
+    def stage(self, start: int, block_tokens: int) -> np.ndarray | None:
+        """On the ring path, a slot to decode the block starting at ``start`` into, in wire order: a uint8
+        view whose C-order elements are the stored order's bytes and whose last axis is the element size
+        (what ``kvsnap.format.codec.decode_into`` fills); ``done`` ships it. None off the ring path."""
+        if self.ring is None:
+            return None
+        itemsize = self.source_dtype.itemsize
+        size = block_tokens * self.source_bytes_per_token
+        slot = self.ring.acquire()
+        self._staged[start] = slot
+        wire = self.ring.host_bytes(slot)[:size]
+        n = size // itemsize
+        return wire.reshape(itemsize, n).T if self.planes else wire.reshape(n, itemsize)
+
+    def done(self, start: int, block_tokens: int, ok: bool = True) -> None:
+        """The block staged at ``start`` is decoded (``ok``): copy it to the device and put it in place
+        there; else give its slot back."""
+        slot = self._staged.pop(start, None)
+        if slot is None:
+            return
+        if not ok:
+            self.ring.release(slot)
+            return
+        L, H, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim
+        use = max(0, min(block_tokens, self.num_tokens - start))
+        size = block_tokens * self.source_bytes_per_token
+        dst = self.buf[:, :, :, start : start + use]
+
+        def place(wire: torch.Tensor) -> None:
+            # wire: [size] uint8 on the device, in stored order.
+            itemsize = self.source_dtype.itemsize
+            if self.planes:
+                wire = wire.view(itemsize, size // itemsize).t().contiguous()  # the byte-plane interleave
+            values = wire.view(-1).view(self.source_dtype).view(L, 2, H, block_tokens, D)
+            dst.copy_(values[:, :, :, :use])
+
+        self.ring.ship(slot, size, place if use else None)
 
     @property
     def staging_bytes(self) -> int:
@@ -123,9 +171,47 @@ class _Ring:
             self.free.put(i)
         self.stream = torch.cuda.Stream(device) if cuda else None
 
+        self.device_bytes: list[torch.Tensor | None] = [None] * len(self.buffers)  # wire order, on the device
+
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def acquire(self) -> int:
+        """A free slot, once its previous copy is done (blocks while every slot is in flight)."""
+        i = self.free.get()
+        if self.events[i] is not None:
+            self.events[i].synchronize()
+        return i
+
+    def release(self, i: int) -> None:
+        self.free.put(i)
+
+    def host_bytes(self, i: int) -> np.ndarray:
+        """Slot ``i``'s host memory as flat uint8 numpy (written by a decode thread)."""
+        return self.buffers[i].view(-1).view(torch.uint8).numpy()
+
+    def ship(self, i: int, size: int, place) -> None:
+        """Copy the first ``size`` bytes of slot ``i`` to the device without waiting, then run
+        ``place(device_bytes)`` after it on the same stream; the slot is free once both are done."""
+        try:
+            if place is None:
+                return
+            host = self.buffers[i].view(-1).view(torch.uint8)[:size]
+            if self.stream is None:
+                place(host)
+                return
+            on_device = self.device_bytes[i]
+            if on_device is None:
+                on_device = self.device_bytes[i] = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
+            with torch.cuda.stream(self.stream):
+                on_device[:size].copy_(host, non_blocking=self.pinned)
+                place(on_device[:size])
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            self.events[i] = event
+        finally:
+            self.free.put(i)
 
     def send(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Stage ``src`` (host) in a free slot and copy it into ``dst`` (device), without waiting for the copy."""

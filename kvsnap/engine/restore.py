@@ -123,15 +123,23 @@ def _read_blocks(lm: LoadedModel, snap: Snapshot, prompt_ids, hit: int, num_bloc
         capacity=room,
         storage_dtype=meta.storage_layout.dtype,
         block_tokens=meta.block_size,
+        planes=meta.codec == "shuffle-zstd",
     )
     starts = [i * meta.block_size for i in range(num_blocks)]
 
     def sink(index: int, raw: np.ndarray) -> None:
         restorer.write(starts[index], meta.blocks[index].num_tokens, raw)
 
-    stored = snap.read_into(
-        range(num_blocks), sink, target=lambda index: restorer.target(starts[index], meta.blocks[index].num_tokens)
-    )
+    def target(index: int) -> np.ndarray | None:
+        start, n = starts[index], meta.blocks[index].num_tokens
+        # Straight into the buffer on the CPU; else into a ring slot, as stored, for the device to finish.
+        found = restorer.target(start, n)
+        return found if found is not None else restorer.stage(start, n)
+
+    def done(index: int, ok: bool) -> None:
+        restorer.done(starts[index], meta.blocks[index].num_tokens, ok)
+
+    stored = snap.read_into(range(num_blocks), sink, target=target, done=done)
     return restorer.finish(lm.config), stored
 
 

@@ -219,13 +219,15 @@ class Snapshot:
         *,
         workers: int = DECODE_WORKERS,
         target: Callable[[int], np.ndarray | None] | None = None,
+        done: Callable[[int, bool], None] | None = None,
     ) -> list[memoryview]:
         """Decode the given blocks, each handed to ``sink(index, raw)`` in its worker thread; returns
         their stored bytes (views of the file, checksum verified), which a session keeps for its next save.
 
         ``raw`` is a scratch buffer reused afterwards: copy it out. Only these blocks' bytes are read.
         ``target(index)`` may instead give the place the block's bytes go (see ``codec.decode_into``):
-        then it is decoded straight there and ``sink`` is not called for it.
+        then it is decoded straight there, ``sink`` is not called for it, and ``done(index, ok)`` hears
+        whether the decode succeeded (a staging slot must be given back either way).
         """
         scratch = Scratch()
 
@@ -233,7 +235,14 @@ class Snapshot:
             stored = self.read_stored(index)
             dst = target(index) if target is not None else None
             if dst is not None:
-                self.decode_block_into(index, stored, dst)
+                try:
+                    self.decode_block_into(index, stored, dst)
+                except BaseException:
+                    if done is not None:
+                        done(index, False)
+                    raise
+                if done is not None:
+                    done(index, True)
             else:
                 sink(index, self.decode_block(index, stored, out=scratch.get(self.meta.blocks[index].raw_bytes)))
             return stored
