@@ -187,3 +187,13 @@ def test_packing_benchmark_compares_packed_and_unpacked_forwards(bench, tiny_mod
     for name in ("unpacked", "packed"):
         assert row[f"{name}_suffix_s"] > 0 and row[f"{name}_chunk_s"] > 0 and row[f"{name}_decode_s"] > 0
         assert row[f"{name}_linear_ms"] > 0  # the profile found the linear layers of both (mm or oneDNN)
+
+
+def test_decode_benchmark_reports_tokens_per_second_per_variant(bench, tiny_model_dir):
+    args = ("--model", str(tiny_model_dir("llama")), "--lengths", "48", "--new-tokens", "6", "--repeats", "2")
+    out, data = bench("decode", *args, "--variant", "float32", "float32-unpacked")
+    assert out.startswith("machine: ") and "decode tokens/s" in out
+    rates = [r["tok_per_s"] for r in data["runs"]]
+    assert len(rates) == 2 * 2 and all(rate > 0 for rate in rates)
+    assert {r["engine"] for r in data["runs"]} == {"kvsnap float32", "kvsnap float32-unpacked"}
+    assert all(r["new_tokens"] == 6 for r in data["runs"])
