@@ -86,6 +86,9 @@ def memory_budget() -> int:
 
 MODEL_CONTEXT = "the model's context"
 ASKED_CONTEXT = "the context size asked for"  # --ctx-size / load_model(ctx_size=...)
+# A RoPE that switches frequencies by the sequence length (longrope, dynamic NTK) keeps the KV exact only
+# up to its switch: the context kvsnap runs such a model in.
+ROPE_CONTEXT = "the model's context at fixed RoPE frequencies"
 
 
 def check_tokens(num_tokens: int, context: int | None = None, source: str = MODEL_CONTEXT) -> None:

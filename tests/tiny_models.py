@@ -54,6 +54,33 @@ UNSUPPORTED: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 16}),
 }
 
+# RoPE whose frequencies transformers switches by the longest position in a forward, with a small window
+# so a test crosses it in a few dozen tokens. Phi-3 longrope: short factors up to 64 positions, long ones
+# past it (one factor per rotary frequency: head dim 16 -> 8). Llama dynamic NTK: rescaled past 64.
+SWITCHING_ROPE: dict[str, tuple[str, dict[str, Any]]] = {
+    "phi3-longrope": (
+        "Phi3Config",
+        {
+            "sliding_window": None,
+            "max_position_embeddings": 256,
+            "original_max_position_embeddings": 64,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0, 1.0, 1.1, 1.2, 1.4, 1.7, 2.0, 2.5],
+                "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0],
+            },
+        },
+    ),
+    "llama-dynamic": (
+        "LlamaConfig",
+        {
+            "max_position_embeddings": 64,
+            "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
+        },
+    ),
+}
+
 
 def build_tokenizer():
     """A byte-level BPE (any text encodes) with ChatML specials, wrapped for transformers."""
@@ -76,10 +103,10 @@ def build_tokenizer():
 
 
 def tiny_config(arch: str, tokenizer, **overrides: Any):
-    """A ~2-layer, 64-wide config of ``arch`` (a key of ARCHS or UNSUPPORTED) sized to ``tokenizer``."""
+    """A ~2-layer, 64-wide config of ``arch`` (a key of ARCHS, UNSUPPORTED or SWITCHING_ROPE) sized to ``tokenizer``."""
     import transformers
 
-    class_name, extra = {**ARCHS, **UNSUPPORTED}[arch]
+    class_name, extra = {**ARCHS, **UNSUPPORTED, **SWITCHING_ROPE}[arch]
     settings: dict[str, Any] = {
         "vocab_size": len(tokenizer),
         "hidden_size": 64,
@@ -113,12 +140,18 @@ def build_tiny_model(folder: Path, arch: str, *, seed: int | None = None, **conf
     logging.set_verbosity_error()
     tokenizer = build_tokenizer()
     config = tiny_config(arch, tokenizer, **config_overrides)
-    torch.manual_seed(seed if seed is not None else sorted({**ARCHS, **UNSUPPORTED}).index(arch))
+    torch.manual_seed(seed if seed is not None else _default_seed(arch))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def _default_seed(arch: str) -> int:
+    """One seed per architecture; the SWITCHING_ROPE ones come after the rest, so theirs leave the others' alone."""
+    first = sorted({**ARCHS, **UNSUPPORTED})
+    return first.index(arch) if arch in first else len(first) + sorted(SWITCHING_ROPE).index(arch)
 
 
 def perturbed_copy(src: Path, dst: Path, *, delta: float = 1e-3) -> Path:

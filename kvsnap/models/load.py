@@ -84,15 +84,21 @@ class LoadedModel:
 
 
 # RoPE scalings that stretch a pretrained context of ``original_max_position_embeddings`` (else
-# ``max_position_embeddings``) by ``factor``; "llama3" and "longrope" state the stretched length in
-# ``max_position_embeddings`` already, as transformers expects.
-_STRETCHING_ROPE = ("linear", "dynamic", "yarn")
+# ``max_position_embeddings``) by ``factor``; "llama3" states the stretched length in ``max_position_embeddings``
+# already. "dynamic" and "longrope" switch frequencies mid-sequence instead: their context is ``rope_window``.
+_STRETCHING_ROPE = ("linear", "yarn")
 
 
 def max_positions_of(config) -> int | None:
-    """The most positions the model attends over, as its transformers config says (None if it does not)."""
+    """The most positions the model attends over, as its transformers config says (None if it does not);
+    for a RoPE that switches frequencies by the sequence length, the window where they are fixed."""
+    from kvsnap.models.architecture import rope_window
+
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     n = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    window = rope_window(text)
+    if window is not None:
+        return window if not isinstance(n, int) or isinstance(n, bool) or n < 1 else min(n, window)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         return None
     rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None)
@@ -177,6 +183,7 @@ def load_model(
     if check_layout is not None:
         check_layout(layout)
     if ctx_size is not None:  # before the weights load, like the layout
+        architecture.check_rope_window(ctx_size, config)  # first: its refusal says why
         limits.check_ctx_size(ctx_size, max_positions_of(config))
     progress(f"loading {spec}")
     model = None
@@ -223,11 +230,21 @@ def load_model(
         cache_kwarg=architecture.forward_cache_kwarg(model),
         eos_token_ids=frozenset(eos),
         max_positions=max_positions_of(config) if ctx_size is None else ctx_size,
-        context_source=limits.MODEL_CONTEXT if ctx_size is None else limits.ASKED_CONTEXT,
+        context_source=_context_source(config, ctx_size),
         sampling_defaults=sampling_defaults_of(folder),
         load_timings=timings,
         backend="native" if isinstance(model, native.NativeCausalLM) else "transformers",
     )
+
+
+def _context_source(config, ctx_size: int | None) -> str:
+    """What sets ``LoadedModel.max_positions``, as messages name it."""
+    from kvsnap.models.architecture import rope_window
+
+    if ctx_size is not None:
+        return limits.ASKED_CONTEXT
+    window = rope_window(config)
+    return limits.ROPE_CONTEXT if window is not None and window == max_positions_of(config) else limits.MODEL_CONTEXT
 
 
 def _transformers_config(folder: Path, mark: Callable[[str], None]):
