@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tiny_models import UNSUPPORTED, build_tokenizer, tiny_config
+from tiny_models import SLIDING, UNSUPPORTED, build_tokenizer, tiny_config
 from transformers import LlamaConfig, T5Config
 
 from kvsnap.engine import cache as kvcache
@@ -178,6 +178,8 @@ def test_forward_cache_kwarg():
 def test_check_supported(config):
     architecture.check_supported(config)  # full attention: fine
     tok = build_tokenizer()
+    for kind in SLIDING:  # sliding windows of the families kvsnap resumes exactly: fine too
+        architecture.check_supported(tiny_config(kind, tok))
     for kind in UNSUPPORTED:
         cfg = tiny_config(kind, tok)
         with pytest.raises(UnsupportedModelError, match=cfg.model_type):

@@ -77,7 +77,7 @@ def test_weights_digest_cache_sees_a_changed_file(tiny_lm, tiny_model_dir, tmp_p
 
 
 @pytest.mark.parametrize("kind", list(UNSUPPORTED))
-def test_sliding_window_and_hybrid_models_are_refused(kind, tmp_path):
+def test_models_that_cannot_resume_exactly_are_refused(kind, tmp_path):
     folder = build_tiny_model(tmp_path / kind, kind)
     model_type = json.loads((folder / "config.json").read_text())["model_type"]
     with pytest.raises(UnsupportedModelError, match=model_type):

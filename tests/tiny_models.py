@@ -1,9 +1,10 @@
 """Tiny random-weight models for the engine tests: built offline, seeded, loadable by ``kvsnap.load_model``.
 
-Each model is a real transformers architecture (Llama, Qwen2, Mistral, Phi-3, OLMo2, Granite) shrunk to
-2 layers, hidden 64, 4 query heads over 2 KV heads (GQA), saved with ``save_pretrained`` next to a small
-byte-level BPE tokenizer trained on an in-memory corpus and given a ChatML-like chat template. Nothing is
-downloaded. The same architecture, seed and corpus give the same files (and so the same fingerprint).
+Each model is a real transformers architecture (Llama, Qwen2, Mistral, Phi-3, OLMo2, Granite, and the
+sliding-window ones: Mistral, Qwen2 and Phi-3 with a window, Gemma 2, Gemma 3) shrunk to 2 layers,
+hidden 64, 4 query heads over 2 KV heads (GQA), saved with ``save_pretrained`` next to a small
+byte-level BPE tokenizer trained on an in-memory corpus and given a ChatML-like chat template.
+Nothing is downloaded. The same architecture, seed and corpus give the same files (and so the same fingerprint).
 """
 
 from __future__ import annotations
@@ -48,10 +49,22 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 CORE_ARCHS = ("llama", "qwen2", "mistral", "phi3")  # the four the brief requires; olmo2/granite are extra
 
-# Configs whose cache is not a plain full-attention DynamicCache: load_model must refuse them.
-UNSUPPORTED: dict[str, tuple[str, dict[str, Any]]] = {
+# Sliding-window families, with windows far shorter than the test prompts. The Gemmas' attention scale
+# (query_pre_attn_scalar) differs from head_dim ** -0.5 and Gemma 2's soft caps are low, so an attention
+# that ignored the scale or the cap would move the logits well past the tests' tolerances.
+_GEMMA = {"head_dim": 16, "query_pre_attn_scalar": 24}
+SLIDING: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral-sliding": ("MistralConfig", {"sliding_window": 16}),
-    "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 16}),
+    "qwen2-sliding": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1}),
+    "phi3-sliding": ("Phi3Config", {"sliding_window": 16}),
+    "gemma2": (
+        "Gemma2Config",
+        {**_GEMMA, "sliding_window": 16, "attn_logit_softcapping": 4.0, "final_logit_softcapping": 8.0},
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        {**_GEMMA, "sliding_window": 12, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
 }
 
 # RoPE whose frequencies transformers switches by the longest position in a forward, with a small window
@@ -81,6 +94,18 @@ SWITCHING_ROPE: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 
+# Configs kvsnap cannot resume exactly: load_model must refuse them, in one line naming the reason.
+UNSUPPORTED: dict[str, tuple[str, dict[str, Any]]] = {
+    "gemma2-no-window": ("Gemma2Config", {**_GEMMA, "sliding_window": None}),
+    "gemma3-bidirectional": ("Gemma3TextConfig", {**_GEMMA, "sliding_window": 12, "use_bidirectional_attention": True}),
+    "cohere2": ("Cohere2Config", {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]}),
+}
+ALL_ARCHS = {**ARCHS, **SLIDING, **UNSUPPORTED, **SWITCHING_ROPE}
+# An architecture's weight seed is its index here: new ones go at the end, so that adding one never
+# changes the weights (and outputs) of the models other tests already use.
+SEED_ORDER = ("gemma2", "granite", "llama", "mistral", "mistral-sliding", "olmo2", "phi3", "qwen2")
+SEED_ORDER += tuple(sorted(set(ALL_ARCHS) - set(SEED_ORDER)))
+
 
 def build_tokenizer():
     """A byte-level BPE (any text encodes) with ChatML specials, wrapped for transformers."""
@@ -103,10 +128,10 @@ def build_tokenizer():
 
 
 def tiny_config(arch: str, tokenizer, **overrides: Any):
-    """A ~2-layer, 64-wide config of ``arch`` (a key of ARCHS, UNSUPPORTED or SWITCHING_ROPE) sized to ``tokenizer``."""
+    """A ~2-layer, 64-wide config of ``arch`` (a key of ALL_ARCHS) sized to ``tokenizer``."""
     import transformers
 
-    class_name, extra = {**ARCHS, **UNSUPPORTED, **SWITCHING_ROPE}[arch]
+    class_name, extra = ALL_ARCHS[arch]
     settings: dict[str, Any] = {
         "vocab_size": len(tokenizer),
         "hidden_size": 64,
@@ -140,18 +165,12 @@ def build_tiny_model(folder: Path, arch: str, *, seed: int | None = None, **conf
     logging.set_verbosity_error()
     tokenizer = build_tokenizer()
     config = tiny_config(arch, tokenizer, **config_overrides)
-    torch.manual_seed(seed if seed is not None else _default_seed(arch))
+    torch.manual_seed(seed if seed is not None else SEED_ORDER.index(arch))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
-
-
-def _default_seed(arch: str) -> int:
-    """One seed per architecture; the SWITCHING_ROPE ones come after the rest, so theirs leave the others' alone."""
-    first = sorted({**ARCHS, **UNSUPPORTED})
-    return first.index(arch) if arch in first else len(first) + sorted(SWITCHING_ROPE).index(arch)
 
 
 def perturbed_copy(src: Path, dst: Path, *, delta: float = 1e-3) -> Path:

@@ -29,6 +29,10 @@ class _Buffered:
 
     _kbuf: torch.Tensor | None = None  # [B, H, capacity, D]
     _vbuf: torch.Tensor | None = None
+    # A sliding-window layer: how many positions a query attends to, its own included (None: all).
+    # The layer still holds every position, so blocks and snapshots stay per token for every layer;
+    # only what the attention is handed is cut to the window.
+    window: int | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -42,7 +46,15 @@ class _Buffered:
         self._vbuf[:, :, length:need].copy_(value_states)
         self.keys = self._kbuf[:, :, :need]
         self.values = self._vbuf[:, :, :need]
-        return self.keys, self.values
+        if self.window is None:
+            return self.keys, self.values
+        start = self.first_visible(length)
+        return self.keys[:, :, start:], self.values[:, :, start:]
+
+    def first_visible(self, length: int) -> int:
+        """The first position the next queries may see after ``length`` held ones: the oldest one the
+        first query's window reaches (later queries' masks cut further). 0 for a full-attention layer."""
+        return 0 if self.window is None else max(length - self.window + 1, 0)
 
     def _holds_keys(self) -> bool:
         """Whether ``keys`` is still the start of ``_kbuf`` (nothing replaced it). Compared by storage and
@@ -95,7 +107,8 @@ class KVCache:
     ``KVCache(config)`` makes a ``PlainKVCache`` for a config ``kvsnap.models.native`` read (the
     native forward needs no transformers class, and so a process running it never imports
     transformers' cache module), else a ``DynamicCache`` subclass transformers' models accept,
-    whose full-attention layers append in place. Only configs that pass ``check_supported`` get here.
+    whose layers append in place and keep every position, a sliding-window layer's too. Only configs
+    that pass ``check_supported`` get here.
     """
 
     layers: list
@@ -187,10 +200,28 @@ def _transformers_classes() -> tuple[type, type]:
     """``(BufferedLayer, TransformersKVCache)``: the buffered layer and the cache as transformers'
     ``DynamicLayer``/``DynamicCache`` subclasses, made on first use (imports transformers)."""
     from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
     class BufferedLayer(_Buffered, DynamicLayer):
         pass
+
+    class BufferedSlidingLayer(BufferedLayer):
+        """A sliding-window layer to transformers (``is_sliding``, the mask sizes of its
+        ``DynamicSlidingWindowLayer``) that holds every position, the ones past its window included."""
+
+        is_sliding = True
+
+        def __init__(self, window: int):
+            super().__init__()
+            self.window = window
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            # (kv_length, kv_offset) of the keys ``update`` returns: transformers builds the mask on
+            # absolute positions from these, so each query sees exactly the window it would see in one
+            # forward over the whole prompt, however the prompt was cut into chunks.
+            length = self.get_seq_length()
+            start = self.first_visible(length)
+            return length - start + query_length, start
 
     class TransformersKVCache(KVCache, DynamicCache):
         def __init__(self, config):
@@ -198,6 +229,8 @@ def _transformers_classes() -> tuple[type, type]:
             for i, layer in enumerate(self.layers):
                 if type(layer) is DynamicLayer:
                     self.layers[i] = BufferedLayer()
+                elif type(layer) is DynamicSlidingWindowLayer:  # check_supported let only true windows through
+                    self.layers[i] = BufferedSlidingLayer(layer.sliding_window)
 
     return BufferedLayer, TransformersKVCache
 

@@ -1,5 +1,6 @@
 """What a model's config says about its KV cache: the layout kvsnap keys and stores, whether kvsnap
-takes the model at all (a plain full-attention decoder cache), and how far its RoPE keeps the KV fixed."""
+takes the model at all (a decoder cache of full-attention and sliding-window layers), and how far
+its RoPE keeps the KV fixed."""
 
 from __future__ import annotations
 
@@ -20,25 +21,69 @@ def forward_cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+# Families whose sliding-window layers kvsnap runs and resumes exactly (tests/test_sliding_window.py covers
+# each): the window is a mask on absolute positions over a cache that keeps every position. Another
+# family with sliding layers may put more into its attention (sinks, chunks, relative biases) than a
+# window, so it is refused until a test says it resumes exactly.
+SLIDING_FAMILIES = {
+    "mistral": "Mistral",
+    "qwen2": "Qwen2",
+    "phi3": "Phi-3",
+    "gemma2": "Gemma 2",
+    "gemma3_text": "Gemma 3 (text)",
+}
+
+
 def check_supported(config) -> None:
-    """Refuse models whose cache is not a plain full-attention ``DynamicCache``."""
+    """Refuse models whose cache is not a decoder cache of full-attention and sliding-window layers
+    (the latter for ``SLIDING_FAMILIES``)."""
     model_type = getattr(config, "model_type", "?")
     if getattr(config, "plain", False):
         return  # kvsnap.models.native_config.plain_config takes full-attention decoders only
     from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"model type {model_type!r} is an encoder-decoder model; kvsnap needs a decoder")
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    _check_attention_pattern(text, model_type)
     try:
         cache = DynamicCache(config=config)
     except Exception as exc:
         raise UnsupportedModelError(f"model type {model_type!r}: cannot build its cache ({exc})") from None
     kinds = {type(layer).__name__ for layer in cache.layers}
-    if not cache.layers or kinds != {DynamicLayer.__name__}:
+    if not cache.layers or not kinds <= {DynamicLayer.__name__, DynamicSlidingWindowLayer.__name__}:
         raise UnsupportedModelError(
-            f"model type {model_type!r} uses a {'/'.join(sorted(kinds)) or 'custom'} cache (sliding-window, hybrid "
-            "or recurrent); kvsnap supports full-attention decoders (Llama, Mistral, Qwen2/3, Phi-3, OLMo, Granite)"
+            f"model type {model_type!r} uses a {'/'.join(sorted(kinds)) or 'custom'} cache (hybrid or recurrent); "
+            "kvsnap supports decoders with full-attention and sliding-window layers"
+        )
+    if DynamicSlidingWindowLayer.__name__ in kinds and model_type not in SLIDING_FAMILIES:
+        if getattr(text, "model_type", None) in SLIDING_FAMILIES:  # Gemma 3 4B and up: text and vision
+            raise UnsupportedModelError(
+                f"model type {model_type!r} is a vision-language model; kvsnap runs text models, such as its "
+                f"text-only form {text.model_type!r}"
+            )
+        raise UnsupportedModelError(
+            f"model type {model_type!r} has sliding-window layers, and kvsnap resumes sliding windows exactly only "
+            f"for {', '.join(SLIDING_FAMILIES.values())}"
+        )
+
+
+def _check_attention_pattern(text, model_type: str) -> None:
+    """Refuse what a prefix's KV cannot be reused under: attention that sees later tokens, chunks, or a
+    sliding layer without a window."""
+    if getattr(text, "use_bidirectional_attention", False) or getattr(text, "is_causal", True) is False:
+        raise UnsupportedModelError(
+            f"model type {model_type!r} is set to bidirectional attention: a position's KV depends on the tokens "
+            "after it, so no prefix can be reused"
+        )
+    layer_types = getattr(text, "layer_types", None) or []
+    if "chunked_attention" in layer_types or getattr(text, "attention_chunk_size", None) is not None:
+        raise UnsupportedModelError(f"model type {model_type!r} uses chunked attention, which kvsnap does not run")
+    if "sliding_attention" in layer_types and getattr(text, "sliding_window", None) is None:
+        raise UnsupportedModelError(
+            f"model type {model_type!r} has sliding-window layers but its config sets no sliding_window "
+            "(transformers cannot run it either)"
         )
 
 

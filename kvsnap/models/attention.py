@@ -54,5 +54,10 @@ def register() -> str:
     return NAME
 
 
-def implementation_for(device: torch.device) -> str:
+def implementation_for(device: torch.device, model_class: type | None = None) -> str:
+    """kvsnap's function on the CPU, transformers' sdpa elsewhere; ``eager`` for a model class that
+    cannot take SDPA (Gemma 2: its attention logits are soft-capped, which SDPA cannot do), as
+    transformers itself would choose."""
+    if model_class is not None and not getattr(model_class, "_supports_sdpa", True):
+        return "eager"
     return register() if device.type == "cpu" else "sdpa"

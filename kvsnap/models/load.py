@@ -264,9 +264,9 @@ def _load_with_transformers(folder: Path, config, dev, torch_dtype, mark: Callab
 
     from kvsnap.models import attention
 
-    implementation = attention.implementation_for(dev)
+    attention.register()
     mark("attention")  # registering kvsnap_sdpa imports transformers.modeling_utils, which any model needs
-    _import_model_class(config)
+    implementation = attention.implementation_for(dev, _import_model_class(config))
     mark("model_class")
     try:
         model = _from_pretrained(AutoModelForCausalLM, folder, torch_dtype, implementation)
@@ -298,16 +298,16 @@ class _Stopwatch:
         self.last = now
 
 
-def _import_model_class(config) -> None:
-    """Import the model type's modeling module now (else ``from_pretrained`` does), so a load's time
-    says what importing it costs apart from the weights; a type without a causal-LM class is left
-    for ``from_pretrained`` to refuse in its own words."""
+def _import_model_class(config) -> type | None:
+    """The model type's causal-LM class, its modeling module imported now (else ``from_pretrained`` does),
+    so a load's time says what importing it costs apart from the weights; None for a type without
+    one, left for ``from_pretrained`` to refuse in its own words."""
     try:
         from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
-        MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except Exception:
-        pass
+        return None
 
 
 def _from_pretrained(auto, folder: Path, dtype, implementation: str):
