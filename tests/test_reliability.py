@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_helpers import kvsnap
 from core_helpers import read_everything, write_test_snapshot
 from typer.testing import CliRunner
 
@@ -222,7 +223,7 @@ def test_refused_snapshot_can_fall_back_to_recompute(llama, tmp_path):
     assert result.text == cold.text
 
 
-def test_cli_on_mismatch(tiny_model_dir, tmp_path, kvsnap_home):
+def test_cli_on_mismatch(tiny_model_dir, tmp_path):
     model = str(tiny_model_dir("llama"))
     bad = tmp_path / "bad.kv"
     bad.write_bytes(os.urandom(200))
@@ -235,19 +236,11 @@ def test_cli_on_mismatch(tiny_model_dir, tmp_path, kvsnap_home):
     assert row["restore_error"] and row["hit_tokens"] == 0
     assert "recomputed from scratch" in ok.stderr
 
-    env = {**os.environ, "KVSNAP_HOME": str(kvsnap_home)}
-    chat = [sys.executable, "-m", "kvsnap_cli.main", "chat", "--model", model, "--device", "cpu", "--resume", str(bad)]
-    refused = subprocess.run(chat, input="hi\n", capture_output=True, text=True, cwd=ROOT, env=env)
+    chat = ["chat", "--model", model, "--device", "cpu", "--resume", str(bad)]
+    refused = kvsnap(*chat, input="hi\n")
     assert refused.returncode == 1 and "bad.kv" in refused.stderr  # not a terminal: "ask" means error
     before = bad.read_bytes()
-    go_on = subprocess.run(
-        [*chat, "--on-mismatch", "recompute", "--max-new-tokens", "2"],
-        input="hi\n",
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-    )
+    go_on = kvsnap(*chat, "--on-mismatch", "recompute", "--max-new-tokens", "2", input="hi\n")
     assert go_on.returncode == 0, go_on.stderr
     assert "starting a new conversation" in go_on.stderr
     # The damaged file is the user's to look at: the new conversation is saved beside it, not over it.
