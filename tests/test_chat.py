@@ -166,13 +166,15 @@ def test_a_refused_snapshot_in_a_piped_chat_names_the_way_out(model, tmp_path):
 
 DRIVER = textwrap.dedent(
     """
-    import os, signal, sys, time
+    import os, signal, sys, threading
     sys.path.insert(0, {root!r})
     from kvsnap_cli import ui
+    from kvsnap.engine.background_save import BackgroundSaver
     from kvsnap.engine.session import Session
 
     emitted = []
-    real_emit, real_save = ui.emit, Session.save
+    real_emit, real_save, real_wait = ui.emit, Session.save, BackgroundSaver.wait
+    settling = threading.Event()
 
     def emit(text):  # the first Ctrl-C arrives while the answer streams
         real_emit(text)
@@ -180,12 +182,18 @@ DRIVER = textwrap.dedent(
         if len(emitted) == 3:
             os.kill(os.getpid(), signal.SIGINT)
 
-    def save(self, path, **kw):  # the second one while the interrupted turn is being saved (in the background,
-        time.sleep(0.5)  # while the chat, at the end of its input, waits for that save before it exits)
+    def wait(self):  # the chat, at the end of its input, waits for the autosave before it exits
+        settling.set()
+        return real_wait(self)
+
+    def save(self, path, **kw):  # the second one while the interrupted turn is being saved (in the background)
+        if not settling.wait(120):  # and the chat waits for that save: the Ctrl-C must be held, not lost
+            print("[driver] the chat never waited for its save", file=sys.stderr, flush=True)
+            os._exit(3)
         os.kill(os.getpid(), signal.SIGINT)
         return real_save(self, path, **kw)
 
-    ui.emit, Session.save = emit, save
+    ui.emit, Session.save, BackgroundSaver.wait = emit, save, wait
     from kvsnap_cli.main import main
     sys.argv = ["kvsnap", "chat", *sys.argv[1:]]
     main()
