@@ -15,7 +15,6 @@ import stat
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -110,7 +109,13 @@ def rewrite_weights_in_place(folder: Path) -> None:
     """Change a few weights without changing the file's size, then set its mtime back."""
     weights = folder / "model.safetensors"
     before = weights.stat()
-    time.sleep(0.05)  # past the kernel's coarse clock tick, so the write's ctime is a new one
+    # A later rewrite, as a user's would be: once the file system's clock (coarse: one tick is a few
+    # ms) has moved past the file's ctime, so the write gets a new one. Waited for, not slept on.
+    probe = folder / "clock-probe"
+    probe.touch()
+    while probe.stat().st_ctime_ns <= before.st_ctime_ns:
+        os.utime(probe)  # sets the probe's ctime to the clock's now
+    probe.unlink()
     with open(weights, "r+b") as f:
         f.seek(-16, os.SEEK_END)
         tail = bytearray(f.read(16))
@@ -119,6 +124,7 @@ def rewrite_weights_in_place(folder: Path) -> None:
     os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
     after = weights.stat()
     assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    assert after.st_ctime_ns != before.st_ctime_ns  # what still tells the rewrite apart
 
 
 def test_weights_digest_sees_an_in_place_rewrite_with_the_mtime_set_back(model, tmp_path):
