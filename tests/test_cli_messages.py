@@ -108,7 +108,7 @@ def test_a_snapshot_of_another_model_names_both(tiny_model_dir, tmp_path):
     assert invoke("run", *base(llama), "--prompt", "hello", "--max-new-tokens", "0", "--save", str(snap)).exit_code == 0
     result = invoke("run", *base(qwen), "--prompt", "hello", "--resume", str(snap))
     assert result.exit_code == 1
-    assert llama in result.stderr and qwen in result.stderr or "another model" in result.stderr
+    assert "another model" in result.stderr and llama in result.stderr and qwen in result.stderr
 
 
 def test_a_text_file_given_as_a_snapshot_is_called_what_it_is(tmp_path):
