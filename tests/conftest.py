@@ -68,6 +68,24 @@ def real_model_home() -> Path:
     return Path(os.environ.get("KVSNAP_TEST_HOME") or Path.home() / ".cache" / "kvsnap-test")
 
 
+@pytest.fixture(scope="session")
+def real_model_folder() -> Path:
+    """The real default model's folder in ``real_model_home()``, converted from its GGUF the first time
+    on a machine (~25 s), so a slow test never depends on another having run first. Skips, naming the
+    install command, only when the model's package is not installed."""
+    from kvsnap import models
+
+    home = real_model_home()
+    folder = home / "models" / models.DEFAULT_MODEL
+    if not models.is_ready(folder):
+        if models.default_gguf_path() is None:
+            pytest.skip(f"the default model package is not installed; run: {models.INSTALL_COMMAND}")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("KVSNAP_HOME", str(home))
+            assert models.resolve_model(models.DEFAULT_MODEL) == folder
+    return folder
+
+
 @pytest.fixture(scope="session", autouse=True)
 def kvsnap_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """KVSNAP_HOME for the test run: $KVSNAP_TEST_HOME if set, else a temporary folder."""

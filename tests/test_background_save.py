@@ -1,46 +1,54 @@
 """The chat's autosave runs in the background: the prompt comes back before the file is written, the
 exit waits for it, and a failed save is reported at the next prompt with the previous file unchanged.
 
-The chats run as real subprocesses (piped stdin) through a driver that slows down or breaks the
-file write itself (``kvsnap.format.atomic.replace_whole``) and notes every prompt.
+The chats run in this process (piped stdin) with the file write itself
+(``kvsnap.format.atomic.replace_whole``) slowed down or broken, and every prompt noted.
 """
 
 from __future__ import annotations
 
+import builtins
+import errno
 import hashlib
-import os
-import subprocess
 import sys
-import textwrap
+import threading
 
 import pytest
-from test_chat import ROOT, base, info, user_messages
+from cli_helpers import Ran, kvsnap
+from test_chat import base, info, user_messages
 
-DRIVER = textwrap.dedent(
-    """
-    import builtins, errno, os, sys, threading
-    sys.path.insert(0, {root!r})
-    from kvsnap.format import atomic
+from kvsnap.format import atomic
 
-    mode = os.environ["DRIVER_MODE"]
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir) -> str:
+    return str(tiny_model_dir("llama"))
+
+
+class NoSpace(list):
+    """Parts of a file whose write fails half way, like a full disk."""
+
+    def __iter__(self):
+        yield from self[: len(self) // 2]
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def driven_chat(model, monkeypatch, mode: str, lines: str, *args: str) -> Ran:
+    """``kvsnap chat`` whose prompts are noted and whose file writes wait (mode "slow") or fail (mode
+    "fail", the second write), each event a ``[driver]`` line in its stderr, in the order they happened."""
     real_replace, real_input = atomic.replace_whole, builtins.input
     prompts = threading.Condition()
-    count = {{"prompts": 0, "writes": 0}}
+    count = {"prompts": 0, "writes": 0}
 
-    def note(text):
+    def note(text: str) -> None:
         print("[driver] " + text, file=sys.stderr, flush=True)
 
     def prompt(text=""):
         with prompts:  # noted before a waiting write can go on, so the order of the lines is the order of events
             count["prompts"] += 1
-            note(f"prompt {{count['prompts']}}")
+            note(f"prompt {count['prompts']}")
             prompts.notify_all()
         return real_input(text)
-
-    class NoSpace(list):  # the write fails half way, like a full disk
-        def __iter__(self):
-            yield from self[: len(self) // 2]
-            raise OSError(errno.ENOSPC, "No space left on device")
 
     def replace_whole(path, parts, mode_=None):
         count["writes"] += 1
@@ -50,52 +58,29 @@ DRIVER = textwrap.dedent(
             # it prompts again never shows it while this save waits (and the wait ends in a timeout).
             with prompts:
                 shown = prompts.wait_for(lambda: count["prompts"] > n, timeout=15)
-            note(f"write {{n}} waited for the prompt: {{'shown' if shown else 'timed out'}}")
+            note(f"write {n} waited for the prompt: {'shown' if shown else 'timed out'}")
         if mode == "fail" and n == 2:
-            import hashlib
             note("file before the failing write: " + hashlib.sha256(path.read_bytes()).hexdigest())
             parts = NoSpace(parts)
         size = real_replace(path, parts, mode_)
-        note(f"write {{n}} done")
+        note(f"write {n} done")
         return size
 
-    atomic.replace_whole, builtins.input = replace_whole, prompt
-    from kvsnap_cli.main import main
-    sys.argv = ["kvsnap", "chat", *sys.argv[1:]]
-    main()
-    """
-)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir) -> str:
-    return str(tiny_model_dir("llama"))
-
-
-def driven_chat(model, tmp_path, home, mode: str, lines: str, *args: str) -> subprocess.CompletedProcess:
-    driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER.format(root=str(ROOT)))
-    env = {**os.environ, "KVSNAP_HOME": str(home), "DRIVER_MODE": mode}
-    proc = subprocess.run(
-        [sys.executable, str(driver), *base(model), *args],
-        input=lines,
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=300,
-    )
-    assert "Traceback" not in proc.stderr, proc.stderr
-    return proc
+    with monkeypatch.context() as patched:
+        patched.setattr(atomic, "replace_whole", replace_whole)
+        patched.setattr(builtins, "input", prompt)
+        ran = kvsnap("chat", *base(model), *args, input=lines)
+    assert "Traceback" not in ran.stderr, ran.stderr
+    return ran
 
 
 def driver_lines(stderr: str) -> list[str]:
     return [line.removeprefix("[driver] ") for line in stderr.splitlines() if line.startswith("[driver] ")]
 
 
-def test_the_prompt_comes_back_before_the_save_and_the_exit_waits_for_it(model, tmp_path, kvsnap_home):
+def test_the_prompt_comes_back_before_the_save_and_the_exit_waits_for_it(model, tmp_path, monkeypatch):
     path = tmp_path / "chat.kv"
-    proc = driven_chat(model, tmp_path, kvsnap_home, "slow", "one\ntwo\n", "--save", str(path))
+    proc = driven_chat(model, monkeypatch, "slow", "one\ntwo\n", "--save", str(path))
     assert proc.returncode == 0, proc.stderr
     # Each turn's save was still writing when the next prompt was shown (the last one: the end of input).
     events = driver_lines(proc.stderr)
@@ -112,18 +97,10 @@ def test_the_prompt_comes_back_before_the_save_and_the_exit_waits_for_it(model, 
     # The exit waited for the last save: the file holds the whole conversation, and no temp file is left.
     held = info(path)
     assert [m["content"] for m in held["messages"] if m["role"] == "user"] == ["one", "two"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.kv", "driver.py"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.kv"]
 
     # Resumed, the chat has the same history, all of it reused.
-    again = subprocess.run(
-        [sys.executable, "-m", "kvsnap_cli.main", "chat", *base(model), "--resume", str(path)],
-        input="three\n",
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "KVSNAP_HOME": str(kvsnap_home)},
-        timeout=300,
-    )
+    again = kvsnap("chat", *base(model), "--resume", str(path), input="three\n")
     assert again.returncode == 0, again.stderr
     assert f"resumed {held['tokens']:,} tokens from {path}" in again.stderr
     assert "2 earlier turns" in again.stderr
@@ -132,9 +109,9 @@ def test_the_prompt_comes_back_before_the_save_and_the_exit_waits_for_it(model, 
     assert [m["content"] for m in resumed if m["role"] == "user"] == ["one", "two", "three"]
 
 
-def test_a_failed_background_save_is_reported_at_the_next_prompt_and_keeps_the_file(model, tmp_path, kvsnap_home):
+def test_a_failed_background_save_is_reported_at_the_next_prompt_and_keeps_the_file(model, tmp_path, monkeypatch):
     path = tmp_path / "chat.kv"
-    proc = driven_chat(model, tmp_path, kvsnap_home, "fail", "one\ntwo\n/help\n", "--save", str(path))
+    proc = driven_chat(model, monkeypatch, "fail", "one\ntwo\n/help\n", "--save", str(path))
     assert proc.returncode == 0, proc.stderr
     err = proc.stderr
     # The failure is one error line, shown when the chat next reads (before /help runs), not at exit.
@@ -148,7 +125,7 @@ def test_a_failed_background_save_is_reported_at_the_next_prompt_and_keeps_the_f
     (before,) = [line.split(": ")[1] for line in driver_lines(err) if line.startswith("file before")]
     assert hashlib.sha256(path.read_bytes()).hexdigest() == before
     assert user_messages(path) == ["one"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.kv", "driver.py"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.kv"]
 
 
 # -- the library: kvsnap.engine.background_save --------------------------------------------------

@@ -169,15 +169,10 @@ def test_a_chat_in_a_new_process_never_imports_transformers(command, tiny_model_
 
 
 @pytest.mark.slow
-def test_the_default_models_template_renders_as_transformers_renders_it():
-    from conftest import real_model_home
+def test_the_default_models_template_renders_as_transformers_renders_it(real_model_folder):
     from transformers import AutoTokenizer
 
-    from kvsnap import models
-
-    folder = real_model_home() / "models" / models.DEFAULT_MODEL
-    if not models.is_ready(folder):
-        pytest.skip("the default model is not converted on this machine (the real-model tests convert it)")
+    folder = real_model_folder
     plain, full = plain_tokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
     assert isinstance(plain, PlainTokenizer) and chat_jinja.supported(plain.chat_template)
     for chat in CHATS:

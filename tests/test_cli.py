@@ -1,4 +1,4 @@
-"""The kvsnap CLI as users drive it: typer's CliRunner in-process, and real subprocesses for chat."""
+"""The kvsnap CLI as users drive it: typer's CliRunner in-process; a new process where what it imports is the point."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import Ran, kvsnap
+from core_helpers import kvsnap_imports
 from typer.testing import CliRunner
 
 from kvsnap_cli.main import app
@@ -46,9 +48,14 @@ def test_every_command_has_help(command):
     assert "Usage" in result.output
 
 
-def test_help_does_not_import_torch():
-    code = "import sys; from kvsnap_cli.main import app; assert 'torch' not in sys.modules, 'torch imported'"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+@pytest.mark.parametrize("args", [["--help"], ["run", "--help"], ["chat", "--help"]], ids=" ".join)
+def test_help_does_not_import_torch(args):
+    """`kvsnap --help` and a command's help, in a new process as a user starts them, show the help
+    without importing torch (the import list comes from ``-X importtime``)."""
+    proc, imported = kvsnap_imports(*args, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Usage" in proc.stdout
+    assert not {"torch", "transformers"} & imported
 
 
 def test_run_resume_reuses_prefix_and_matches_cold_output(model, tmp_path):
@@ -197,32 +204,21 @@ def test_batch_rows_in_order_and_bad_jobs_do_not_stop_it(model, tmp_path):
     assert out[4]["saved"]["tokens"] > 0 and (tmp_path / "e.kv").exists()
 
 
-def _chat(model: str, session: Path, lines: str, home: str) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvsnap_cli.main",
-        "chat",
-        *base(model),
-        "--resume",
-        str(session),
-        "--temperature",
-        "0",
-    ]
-    cmd += ["--max-new-tokens", "6"]
-    env = {**os.environ, "KVSNAP_HOME": home}
-    return subprocess.run(cmd, input=lines, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+def _chat(model: str, session: Path, lines: str) -> Ran:
+    """``kvsnap chat`` in this process, ``lines`` piped in."""
+    args = ["chat", *base(model), "--resume", str(session), "--temperature", "0", "--max-new-tokens", "6"]
+    return kvsnap(*args, input=lines)
 
 
-def test_chat_over_stdin_autosaves_and_resumes_with_zero_recompute(model, tmp_path, kvsnap_home):
+def test_chat_over_stdin_autosaves_and_resumes_with_zero_recompute(model, tmp_path):
     session = tmp_path / "chat.kv"
-    first = _chat(model, session, "hello there\n/stats\n", str(kvsnap_home))
+    first = _chat(model, session, "hello there\n/stats\n")
     assert first.returncode == 0, first.stderr
     assert "does not exist yet" in first.stderr and "saved" in first.stderr
     assert session.exists()
     tokens = json.loads(invoke("inspect", str(session), "--json").stdout)["tokens"]
 
-    second = _chat(model, session, "how are you\n/exit\nnever sent\n", str(kvsnap_home))
+    second = _chat(model, session, "how are you\n/exit\nnever sent\n")
     assert second.returncode == 0, second.stderr
     assert f"resumed {tokens:,} tokens from {session} in" in second.stderr
     assert "(0 recomputed)" in second.stderr
@@ -235,9 +231,9 @@ def test_chat_over_stdin_autosaves_and_resumes_with_zero_recompute(model, tmp_pa
     assert info["chat_turns"] == 4  # two user turns, two answers; "never sent" came after /exit
 
 
-def test_chat_slash_commands(model, tmp_path, kvsnap_home):
+def test_chat_slash_commands(model, tmp_path):
     other = tmp_path / "other.kv"
-    result = _chat(model, tmp_path / "c.kv", f"/help\nhi\n/save {other}\n/reset\n/stats\n/bogus\n", str(kvsnap_home))
+    result = _chat(model, tmp_path / "c.kv", f"/help\nhi\n/save {other}\n/reset\n/stats\n/bogus\n")
     assert result.returncode == 0, result.stderr
     assert "/save [FILE]" in result.stderr and other.exists()
     assert "conversation reset" in result.stderr and "0 tokens in the session" in result.stderr
@@ -245,11 +241,9 @@ def test_chat_slash_commands(model, tmp_path, kvsnap_home):
     assert "unknown command /bogus" in result.stderr
 
 
-def test_chat_save_failure_keeps_the_chat_going(model, tmp_path, kvsnap_home):
+def test_chat_save_failure_keeps_the_chat_going(model, tmp_path):
     """Guards a crash: a /save into a missing folder raised a traceback and ended the conversation."""
-    result = _chat(
-        model, tmp_path / "c.kv", f"hi\n/save {tmp_path}/missing/x.kv\nstill here\n/stats\n", str(kvsnap_home)
-    )
+    result = _chat(model, tmp_path / "c.kv", f"hi\n/save {tmp_path}/missing/x.kv\nstill here\n/stats\n")
     assert result.returncode == 0, result.stderr
     assert "cannot save" in result.stderr and "Traceback" not in result.stderr
     assert "(2 turns)" in result.stderr  # the message after the failed save was answered

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -93,13 +92,12 @@ def test_usage_errors_come_before_the_model_loads(tmp_path):
         assert result.exit_code == 1 and expected in result.stderr, result.output
 
 
-def test_run_without_a_prompt_answers_fast():
-    """`kvsnap run` with no prompt imports no torch and exits at once."""
-    started = time.perf_counter()
+def test_run_without_a_prompt_answers_without_torch_or_a_model():
+    """`kvsnap run` with no prompt says what is missing before it imports torch or loads a model
+    (how fast that is, benchmarks/startup.py measures; a test on a shared machine cannot)."""
     out, imported = kvsnap_imports("run", cwd=ROOT)
     assert out.returncode == 1 and "torch" not in imported, out.stderr[-2000:]
-    assert "give --prompt" in out.stderr
-    assert time.perf_counter() - started > 0  # timing is for the reader (benchmarks measure it), not asserted
+    assert "give --prompt" in out.stderr and "loading" not in out.stderr
 
 
 def test_a_snapshot_of_another_model_names_both(tiny_model_dir, tmp_path):
@@ -110,7 +108,7 @@ def test_a_snapshot_of_another_model_names_both(tiny_model_dir, tmp_path):
     assert invoke("run", *base(llama), "--prompt", "hello", "--max-new-tokens", "0", "--save", str(snap)).exit_code == 0
     result = invoke("run", *base(qwen), "--prompt", "hello", "--resume", str(snap))
     assert result.exit_code == 1
-    assert llama in result.stderr and qwen in result.stderr or "another model" in result.stderr
+    assert "another model" in result.stderr and llama in result.stderr and qwen in result.stderr
 
 
 def test_a_text_file_given_as_a_snapshot_is_called_what_it_is(tmp_path):

@@ -1,10 +1,13 @@
-"""Every script in examples/ runs: on a tiny model by default, on the real default model when slow tests run."""
+"""Every script in examples/ runs: on a tiny model by default, on the real default model when slow tests run.
+
+Each runs as ``__main__`` in this process (``runpy``), with its own command line, as ``python
+examples/NAME.py ARGS`` would run it: no new interpreter importing torch again for each script.
+"""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
+import runpy
 import sys
 from pathlib import Path
 
@@ -14,21 +17,26 @@ from conftest import real_model_home
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_example(name: str, *args: str, home: Path, env: dict[str, str] | None = None) -> str:
-    env = {**os.environ, "KVSNAP_HOME": str(home), "PYTHONPATH": str(ROOT), **(env or {})}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / name), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout
+@pytest.fixture
+def run_example(monkeypatch, capsys):
+    """``run_example(NAME, *ARGS, home=KVSNAP_HOME)``: the script's standard output; it must not fail."""
+
+    def run(name: str, *args: str, home: Path) -> str:
+        script = ROOT / "examples" / name
+        with monkeypatch.context() as patched:
+            patched.setenv("KVSNAP_HOME", str(home))
+            patched.setattr(sys, "argv", [str(script), *args])
+            capsys.readouterr()
+            try:
+                runpy.run_path(str(script), run_name="__main__")
+            except SystemExit as exc:  # argparse and friends end the script this way
+                assert exc.code in (None, 0), capsys.readouterr().err[-2000:]
+        return capsys.readouterr().out
+
+    return run
 
 
-def test_batch_resume_then_inspect(tiny_model_dir, tmp_path, kvsnap_home):
+def test_batch_resume_then_inspect(run_example, tiny_model_dir, tmp_path, kvsnap_home):
     snap = tmp_path / "doc.kv"
     out = run_example(
         "batch_resume.py", "--model", str(tiny_model_dir("llama")), "--out", str(snap), "--max-new-tokens", "4",
@@ -48,7 +56,7 @@ def test_batch_resume_then_inspect(tiny_model_dir, tmp_path, kvsnap_home):
     assert summary["tokens"] > 0 and summary["file_bytes"] == snap.stat().st_size
 
 
-def test_chat_api(tiny_model_dir, tmp_path, kvsnap_home):
+def test_chat_api(run_example, tiny_model_dir, tmp_path, kvsnap_home):
     out = run_example(
         "chat_api.py", "--model", str(tiny_model_dir("llama")), "--out", str(tmp_path / "c.kv"), home=kvsnap_home
     )
@@ -56,6 +64,6 @@ def test_chat_api(tiny_model_dir, tmp_path, kvsnap_home):
 
 
 @pytest.mark.slow
-def test_chat_api_real_model(tmp_path):
+def test_chat_api_real_model(run_example, real_model_folder, tmp_path):
     out = run_example("chat_api.py", "--out", str(tmp_path / "c.kv"), home=real_model_home())
     assert "Paris" in out and "Rome" in out

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import kvsnap
 from tiny_models import perturbed_copy
 from typer.testing import CliRunner
 
@@ -240,12 +241,11 @@ def test_run_explain_puts_the_miss_in_the_ledger(llama, tiny_model_dir, tmp_path
     assert "reuse stopped at token" in shown.stderr and "the prompt's text differs" in shown.stderr
 
 
-def test_chat_explain_notes_a_turn_that_reused_less_than_it_held(llama, tiny_model_dir, tmp_path, kvsnap_home):
+def test_chat_explain_notes_a_turn_that_reused_less_than_it_held(llama, tiny_model_dir, tmp_path):
     snap, _ = _answer_tokenized_apart(llama, tmp_path)
-    cmd = [sys.executable, "-m", "kvsnap_cli.main", "chat", "--model", str(tiny_model_dir("llama")), "--device", "cpu"]
-    cmd += ["--block-size", str(BS), "--resume", str(snap), "--temperature", "0", "--max-new-tokens", "2", "--explain"]
-    env = {**os.environ, "KVSNAP_HOME": str(kvsnap_home)}
-    proc = subprocess.run(cmd, input="And of Italy?\n", capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    args = ["chat", "--model", str(tiny_model_dir("llama")), "--device", "cpu", "--block-size", str(BS)]
+    args += ["--resume", str(snap), "--temperature", "0", "--max-new-tokens", "2", "--explain"]
+    proc = kvsnap(*args, input="And of Italy?\n")
     assert proc.returncode == 0, proc.stderr
     assert "reuse stopped at token" in proc.stderr and "renders an earlier answer again" in proc.stderr
 

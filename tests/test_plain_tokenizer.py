@@ -12,10 +12,8 @@ import random
 import shutil
 
 import pytest
-from conftest import real_model_home
 from tiny_models import SPECIAL_TOKENS
 
-from kvsnap import models
 from kvsnap.models.plain_tokenizer import PlainTokenizer, plain_tokenizer
 
 
@@ -104,12 +102,10 @@ def test_a_tokenizer_with_truncation_or_extra_files_is_left_to_transformers(tiny
 
 
 @pytest.mark.slow
-def test_the_default_models_plain_tokenizer_is_transformers_tokenizer():
+def test_the_default_models_plain_tokenizer_is_transformers_tokenizer(real_model_folder):
     from transformers import AutoTokenizer
 
-    folder = real_model_home() / "models" / models.DEFAULT_MODEL
-    if not models.is_ready(folder):
-        pytest.skip("the default model is not converted on this machine (the real-model tests convert it)")
+    folder = real_model_folder
     plain = plain_tokenizer(folder)
     assert isinstance(plain, PlainTokenizer)
     assert_same_tokenizer(plain, AutoTokenizer.from_pretrained(str(folder)))

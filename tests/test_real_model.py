@@ -53,12 +53,9 @@ RESUME_SCRIPT = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def real_lm():
-    home = real_model_home()
+def real_lm(real_model_folder):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KVSNAP_HOME", str(home))
-        if not models.is_ready(home / "models" / models.DEFAULT_MODEL) and models.default_gguf_path() is None:
-            pytest.skip(f"the default model package is not installed; run: {models.INSTALL_COMMAND}")
+        mp.setenv("KVSNAP_HOME", str(real_model_home()))
         return models.load_model(install=False, device="cpu")
 
 

@@ -11,14 +11,14 @@ import errno
 import hashlib
 import json
 import os
-import random
+import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from cli_helpers import kvsnap
 from core_helpers import read_everything, write_test_snapshot
 from typer.testing import CliRunner
 
@@ -222,7 +222,7 @@ def test_refused_snapshot_can_fall_back_to_recompute(llama, tmp_path):
     assert result.text == cold.text
 
 
-def test_cli_on_mismatch(tiny_model_dir, tmp_path, kvsnap_home):
+def test_cli_on_mismatch(tiny_model_dir, tmp_path):
     model = str(tiny_model_dir("llama"))
     bad = tmp_path / "bad.kv"
     bad.write_bytes(os.urandom(200))
@@ -235,19 +235,11 @@ def test_cli_on_mismatch(tiny_model_dir, tmp_path, kvsnap_home):
     assert row["restore_error"] and row["hit_tokens"] == 0
     assert "recomputed from scratch" in ok.stderr
 
-    env = {**os.environ, "KVSNAP_HOME": str(kvsnap_home)}
-    chat = [sys.executable, "-m", "kvsnap_cli.main", "chat", "--model", model, "--device", "cpu", "--resume", str(bad)]
-    refused = subprocess.run(chat, input="hi\n", capture_output=True, text=True, cwd=ROOT, env=env)
+    chat = ["chat", "--model", model, "--device", "cpu", "--resume", str(bad)]
+    refused = kvsnap(*chat, input="hi\n")
     assert refused.returncode == 1 and "bad.kv" in refused.stderr  # not a terminal: "ask" means error
     before = bad.read_bytes()
-    go_on = subprocess.run(
-        [*chat, "--on-mismatch", "recompute", "--max-new-tokens", "2"],
-        input="hi\n",
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-    )
+    go_on = kvsnap(*chat, "--on-mismatch", "recompute", "--max-new-tokens", "2", input="hi\n")
     assert go_on.returncode == 0, go_on.stderr
     assert "starting a new conversation" in go_on.stderr
     # The damaged file is the user's to look at: the new conversation is saved beside it, not over it.
@@ -281,84 +273,150 @@ def test_no_pickle_in_the_load_path(llama, tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # SIGKILL during a real `kvsnap run --save`
 
+# `kvsnap run` that kills itself with SIGKILL at one chosen point of its save of the file named
+# $KILL_TARGET: no timing involved, every point is hit on every run.
+_KILLED_SAVE = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+from kvsnap.format import atomic
+
+point, target = os.environ["KILL_AT"], os.environ["KILL_TARGET"]
+real_replace_whole, real_fdopen, real_fsync, real_replace = atomic.replace_whole, os.fdopen, os.fsync, os.replace
+ours = {{}}  # the save of the target now under way: its size, and the fd of its temp file
+
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Dying:  # the temp file; the process dies once half the file is written
+    def __init__(self, inner):
+        self.inner, self.left = inner, ours["size"] // 2
+
+    def write(self, data):
+        data = memoryview(data).cast("B")
+        if point == "mid-write" and len(data) >= self.left:
+            self.inner.write(data[: self.left])
+            self.inner.flush()  # in the kernel's page cache: what a kill leaves on disk
+            die()
+        self.left -= len(data)
+        return self.inner.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.inner.close()
+
+
+def replace_whole(path, parts, mode=None):
+    if os.path.basename(path) == target:
+        ours["size"] = sum(memoryview(p).nbytes for p in parts)
+    return real_replace_whole(path, parts, mode)
+
+
+def fdopen(fd, *args, **kwargs):
+    f = real_fdopen(fd, *args, **kwargs)
+    if "size" in ours and "fd" not in ours:  # the temp file replace_whole just made
+        ours["fd"] = fd
+        if point == "temp-created":
+            die()
+        return Dying(f)
+    return f
+
+
+def fsync(fd):
+    if fd == ours.get("fd") and point == "written":  # every byte written and flushed, not yet fsynced
+        die()
+    return real_fsync(fd)
+
+
+def replace(src, dst):
+    if os.path.basename(dst) == target and point == "before-rename":
+        die()
+    real_replace(src, dst)
+    if os.path.basename(dst) == target and point == "after-rename":  # before the folder's fsync
+        die()
+
+
+atomic.replace_whole, os.fdopen, os.fsync, os.replace = replace_whole, fdopen, fsync, replace
+from kvsnap_cli.main import main
+sys.argv = ["kvsnap", "run", *sys.argv[1:]]
+main()
+"""
+
+# Where the save dies, and which file the target must then be: the old one until the rename, the new one after.
+KILL_POINTS = [
+    ("temp-created", "old"),
+    ("mid-write", "old"),
+    ("written", "old"),
+    ("before-rename", "old"),
+    ("after-rename", "new"),
+]
+
 
 @pytest.fixture(scope="module")
-def big_model(tmp_path_factory):
-    """A tiny-weights model with a fat KV (16 KB per token), so a save takes long enough to be hit."""
-    from tiny_models import build_tiny_model
-
-    return build_tiny_model(
-        tmp_path_factory.mktemp("big") / "llama-fat",
-        "llama",
-        num_hidden_layers=8,
-        hidden_size=256,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        intermediate_size=256,
-    )
-
-
-@pytest.mark.slow
-def test_sigkill_during_save_never_leaves_a_broken_snapshot(big_model, tmp_path, kvsnap_home):
-    env = {**os.environ, "KVSNAP_HOME": str(kvsnap_home)}
-    doc = tmp_path / "doc.txt"
-    doc.write_text("the quick brown fox jumps over the lazy dog 0123456789 " * 110)  # ~3.7k of 4,096 positions
+def kill_scene(tiny_model_dir, tmp_path_factory):
+    """A document snapshot to resume (new) and an older, shorter one (old), written by `kvsnap run`."""
+    folder = tmp_path_factory.mktemp("killed-save")
+    model = str(tiny_model_dir("llama"))
+    # --reuse load: a resume under auto would first measure this machine (seconds, in each process).
     base = [
-        sys.executable,
-        "-m",
-        "kvsnap_cli.main",
         "run",
         "--model",
-        str(big_model),
+        model,
         "--device",
         "cpu",
+        "--block-size",
+        "16",
         "--max-new-tokens",
         "0",
+        "--reuse",
+        "load",
     ]
-    primed = tmp_path / "primed.kv"
-    subprocess.run(
-        [*base, "--prompt-file", str(doc), "--save", str(primed)], check=True, cwd=ROOT, env=env, capture_output=True
-    )
-    old = tmp_path / "old.kv"
-    subprocess.run(
-        [*base, "--prompt", "an older, shorter session", "--save", str(old)],
-        check=True,
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-    )
+    doc = folder / "doc.txt"
+    doc.write_text("the quick brown fox jumps over the lazy dog 0123456789 " * 40)  # ~50 blocks
+    primed, old = folder / "primed.kv", folder / "old.kv"
+    for args in (
+        ["--prompt-file", str(doc), "--save", str(primed)],
+        ["--prompt", "an older session", "--save", str(old)],
+    ):
+        ran = kvsnap(*base, *args)
+        assert ran.returncode == 0, ran.stderr
+    return base, doc, primed, old
+
+
+@pytest.mark.parametrize(("point", "left"), KILL_POINTS, ids=[p for p, _ in KILL_POINTS])
+def test_sigkill_during_save_never_leaves_a_broken_snapshot(kill_scene, tmp_path, kvsnap_home, point, left):
+    base, doc, primed, old = kill_scene
     target = tmp_path / "out.kv"
+    shutil.copyfile(old, target)
     with Snapshot(primed) as s:
         new_tokens = s.tokens
     with Snapshot(old) as s:
         old_tokens = s.tokens
-
-    rng = random.Random(0)
-    outcomes = {"killed_mid_save": 0, "finished": 0}
-    for _ in range(12):
-        target.write_bytes(old.read_bytes())
-        proc = subprocess.Popen(
-            [*base, "--prompt-file", str(doc), "--resume", str(primed), "--save", str(target), "--codec", "zstd"],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 120
-        while proc.poll() is None and not temps(tmp_path) and time.monotonic() < deadline:
-            time.sleep(0.001)
-        if proc.poll() is None:
-            time.sleep(rng.uniform(0, 0.05))
-            proc.send_signal(signal.SIGKILL)
-        code = proc.wait()
-        outcomes["killed_mid_save" if code == -signal.SIGKILL else "finished"] += 1
-        with Snapshot(target) as s:  # whole: either the old file or the new one, never half
-            assert s.tokens in (old_tokens, new_tokens)
-            assert not s.verify()
-    print(f"SIGKILL test: {outcomes}")
-    assert outcomes["killed_mid_save"] >= 6
-    subprocess.run([*base, "--prompt", "x", "--save", str(target)], check=True, cwd=ROOT, env=env, capture_output=True)
-    assert temps(tmp_path) == []  # the next save swept up what the kills left
+    env = {**os.environ, "KVSNAP_HOME": str(kvsnap_home), "KILL_AT": point, "KILL_TARGET": target.name}
+    # --codec zstd: the primed file's blocks are encoded again, so the whole file is written anew.
+    args = [*base[1:], "--prompt-file", str(doc), "--resume", str(primed), "--save", str(target), "--codec", "zstd"]
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_SAVE.format(root=str(ROOT)), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]  # killed where asked, not finished
+    with Snapshot(target) as s:  # whole: either the old file or the new one, never half
+        assert s.tokens == (old_tokens if left == "old" else new_tokens)
+        assert not s.verify()
+    assert bool(temps(tmp_path)) == (left == "old")  # before the rename, the temp file is what the kill left
+    again = kvsnap(*base, "--prompt", "x", "--save", str(target))
+    assert again.returncode == 0, again.stderr
+    assert temps(tmp_path) == []  # the next save swept up what the kill left
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,8 +424,6 @@ def test_sigkill_during_save_never_leaves_a_broken_snapshot(big_model, tmp_path,
 
 
 def _variant(src: Path, dst: Path, kind: str) -> Path:
-    import shutil
-
     from tiny_models import perturbed_copy
 
     if kind == "weights":

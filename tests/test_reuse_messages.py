@@ -5,12 +5,9 @@ so instead of "resumed 0 tokens"; notes never run on into the streamed answer.""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from cli_helpers import kvsnap
 from typer.testing import CliRunner
 
 from kvsnap.engine import costs
@@ -18,7 +15,6 @@ from kvsnap.format import Snapshot
 from kvsnap.reuse import CostModel
 from kvsnap_cli.main import app
 
-ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 QUESTION = "What is the capital of France? Answer in one word please."
 
@@ -77,17 +73,13 @@ def test_an_auto_decision_to_recompute_gives_its_reason(model, tmp_path, monkeyp
     assert "recomputed, not loaded: predicted load" in shown.stderr
 
 
-def test_a_chat_resumed_with_reuse_recompute_says_what_happens(model, tmp_path, kvsnap_home):
+def test_a_chat_resumed_with_reuse_recompute_says_what_happens(model, tmp_path):
     snap = tmp_path / "chat.kv"
-    env = {**os.environ, "KVSNAP_HOME": str(kvsnap_home)}
-    cmd = [sys.executable, "-m", "kvsnap_cli.main", "chat", "--model", model, "--device", "cpu", "--block-size", "16"]
-    cmd += ["--temperature", "0", "--max-new-tokens", "4", "--resume", str(snap)]
-    first = subprocess.run(cmd, input="hello there\n", capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    args = ["chat", "--model", model, "--device", "cpu", "--block-size", "16"]
+    args += ["--temperature", "0", "--max-new-tokens", "4", "--resume", str(snap)]
+    first = kvsnap(*args, input="hello there\n")
     assert first.returncode == 0, first.stderr
-    again = subprocess.run(
-        [*cmd, "--reuse", "recompute"], input="and again\n", capture_output=True, text=True, env=env, cwd=ROOT,
-        timeout=300,
-    )  # fmt: skip
+    again = kvsnap(*args, "--reuse", "recompute", input="and again\n")
     assert again.returncode == 0, again.stderr
     assert "resumed 0 tokens" not in again.stderr
     assert "recomputed on the next turn, not loaded (--reuse recompute)" in again.stderr

@@ -251,32 +251,60 @@ def test_damage_in_one_block_does_not_stop_reading_the_others(tmp_path):
     assert len(problems) == 1 and "block 50" in problems[0]
 
 
-def test_a_failed_read_leaves_no_worker_writing_after_it_returns(tmp_path):
+def test_a_failed_read_leaves_no_worker_writing_after_it_returns(tmp_path, monkeypatch):
     """A restore that fails is followed by a recompute: no decode thread may still be writing
-    into the failed restore's buffers once ``read_into`` has raised."""
+    into the failed restore's buffers once ``read_into`` has raised.
+
+    Ordered by events, not by sleeps: block 3 fails only once block 4's sink is running, and every
+    sink that starts holds on until the read is past its failure (the pool waits for what still
+    runs): those sinks are running then, and must all have finished before ``read_into`` raises."""
     import threading
-    import time
+
+    from kvsnap.format import pool
 
     w = _hundred_blocks(tmp_path)
     start, end = tensor_span(w.path, block_name(3))
     data = bytearray(w.path.read_bytes())
     data[(start + end) // 2] ^= 0x5A
     w.path.write_bytes(bytes(data))
+    started: set[int] = set()
     done: list[int] = []
+    late: list[int] = []  # sinks that were still running after read_into returned
     lock = threading.Lock()
+    four_running, past_failure, returned = threading.Event(), threading.Event(), threading.Event()
+    real_read_stored, real_wait = Snapshot.read_stored, pool.wait
 
-    def slow_sink(index: int, raw) -> None:
-        time.sleep(0.002)  # a sink that takes as long as a real copy into a big cache
+    def read_stored(self, index):
+        with lock:
+            started.add(index)
+        if index == 3:
+            assert four_running.wait(30), "block 4 never started"
+        return real_read_stored(self, index)
+
+    def waiting(futures):  # the pool, past the failure: what had not started is cancelled, the rest waited for
+        past_failure.set()
+        return real_wait(futures)
+
+    def sink(index: int, raw) -> None:
+        if index == 4:
+            four_running.set()
+        if index > 3:
+            past_failure.wait(30)
         with lock:
             done.append(index)
+            if returned.is_set():
+                late.append(index)
 
+    monkeypatch.setattr(Snapshot, "read_stored", read_stored)
+    monkeypatch.setattr(pool, "wait", waiting)
     with Snapshot(w.path) as snap:
         with pytest.raises(SnapshotError, match=r"block 3\b"):
-            snap.read_into(range(100), slow_sink, workers=4)
-        after_raise = len(done)
-        time.sleep(0.1)
-        assert len(done) == after_raise  # nothing landed after the error was raised
-        assert after_raise < 99  # and the blocks not yet started were cancelled
+            snap.read_into(range(100), sink, workers=4)
+        returned.set()
+        landed = sorted(done)
+    assert past_failure.is_set() and 4 in landed  # block 4 was still in its sink when block 3 failed
+    assert landed == sorted(started - {3}) and late == []  # every sink begun had finished, none came after
+    assert len(started) < 99  # and the blocks not yet started were cancelled
 
 
 def test_read_raw_touches_only_the_blocks_asked_for(tmp_path, monkeypatch):

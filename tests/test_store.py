@@ -472,19 +472,18 @@ def test_damaged_index_is_a_store_error(tmp_path):
 
 WRITER = textwrap.dedent(
     """
-    import json, random, sys, time
-    from pathlib import Path
+    import json, random, sys
     sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
     from test_store import make_chain, put
     from kvsnap import hashing
     from kvsnap.store import BlockStore
 
-    root_dir, path, seed, budget, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], Path(sys.argv[5])
+    root_dir, path, seed, budget = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     store = BlockStore(path, None if budget == "none" else int(budget))
     chain = make_chain()
     rng = random.Random(seed)
-    while not go.exists():
-        time.sleep(0.001)
+    print("ready", flush=True)
+    sys.stdin.readline()  # both writers start together: the test says go once both are ready
     inserted = []
     for i in range(40):
         tokens = list(range(8)) + [rng.randrange(3) for _ in range(rng.randrange(0, 14))]
@@ -504,17 +503,22 @@ WRITER = textwrap.dedent(
 def test_two_processes_share_one_store(tmp_path, budget):
     script = tmp_path / "writer.py"
     script.write_text(WRITER)
-    store_dir, go = tmp_path / "store", tmp_path / "go"
+    store_dir = tmp_path / "store"
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), str(ROOT_DIR), str(store_dir), str(seed), str(budget).lower(), str(go)],
+            [sys.executable, str(script), str(ROOT_DIR), str(store_dir), str(seed), str(budget).lower()],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
         for seed in (1, 2)
     ]
-    go.touch()
+    for p in procs:  # a start barrier: each has imported and opened the store
+        assert p.stdout.readline() == "ready\n", p.communicate(timeout=120)[1]
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
     outputs = [p.communicate(timeout=120) for p in procs]
     for p, (_, err) in zip(procs, outputs):
         assert p.returncode == 0, err

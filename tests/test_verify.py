@@ -8,13 +8,11 @@ every integrity check) must be caught by --verify; matching versions must cost n
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_helpers import kvsnap
 from core_helpers import rewrite_meta
 from typer.testing import CliRunner
 
@@ -259,23 +257,19 @@ def test_run_verify_flag_refuses_or_recomputes(tiny_model_dir, llama, tmp_path):
     assert f"verified block {last}" in shown.stderr and "refused" in shown.stderr
 
 
-def test_chat_recomputes_a_conversation_whose_kv_fails_the_check(llama, tiny_model_dir, tmp_path, kvsnap_home):
+def test_chat_recomputes_a_conversation_whose_kv_fails_the_check(llama, tiny_model_dir, tmp_path):
     s = Session(llama, block_size=BS)
     s.chat("hello there", SamplingParams(max_new_tokens=12, temperature=0, stop_loops=False))
     s.save(tmp_path / "chat.kv")
     perturb_and_resign(tmp_path / "chat.kv", block=len(s.tokens) // BS - 1)
-    cmd = [sys.executable, "-m", "kvsnap_cli.main", "chat", "--model", str(tiny_model_dir("llama")), "--device", "cpu"]
-    cmd += ["--block-size", str(BS), "--resume", str(tmp_path / "chat.kv"), "--max-new-tokens", "2", "--verify"]
+    args = ["chat", "--model", str(tiny_model_dir("llama")), "--device", "cpu"]
+    args += ["--block-size", str(BS), "--resume", str(tmp_path / "chat.kv"), "--max-new-tokens", "2", "--verify"]
     # --reuse load: under auto, a calibration taken on a busy machine may find recomputing the tiny
     # model's prefix faster, and then nothing is reused and nothing checked (this test flaked so).
-    cmd += ["--reuse", "load"]
-    env = {**os.environ, "KVSNAP_HOME": str(kvsnap_home)}
-    run = lambda *extra: subprocess.run(  # noqa: E731
-        [*cmd, *extra], input="and now?\n", capture_output=True, text=True, cwd=ROOT, env=env, timeout=300
-    )
-    refused = run("--on-mismatch", "error")
+    args += ["--reuse", "load"]
+    refused = kvsnap(*args, "--on-mismatch", "error", input="and now?\n")
     assert refused.returncode == 1 and "differs from a recompute" in refused.stderr
-    kept = run("--on-mismatch", "recompute")
+    kept = kvsnap(*args, "--on-mismatch", "recompute", input="and now?\n")
     assert kept.returncode == 0, kept.stderr
     assert "the conversation is kept and its KV computed again" in kept.stderr
     with Snapshot(tmp_path / "chat.kv") as after:
