@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -64,6 +65,51 @@ def session(lm, **settings):
     from kvsnap.engine.session import Session
 
     return Session(lm, block_size=16, **settings)
+
+
+def test_a_chat_longer_than_its_context_answers_every_turn_and_keeps_them_all(model, tmp_path, kvsnap_home):
+    path = tmp_path / "chat.kv"
+    lines = turns(32)
+    proc = chat(model, lines, kvsnap_home, "--ctx-size", str(CTX), "--system", "be brief", "--resume", str(path))
+    assert proc.returncode == 0, proc.stderr
+    assert "the context is full:" in proc.stderr and "oldest turns left the model's view" in proc.stderr
+    assert "more than the context" not in proc.stderr
+    # Every turn was answered (one stats line each) and the file keeps all of them.
+    assert proc.stderr.count(" prompt tokens: ") == 32
+    held = info(path)
+    messages = held["messages"]
+    assert messages[0] == {"role": "system", "content": "be brief"}
+    assert [m["content"] for m in messages if m["role"] == "user"] == lines
+    assert sum(1 for m in messages if m["role"] == "assistant") == 32
+    assert 0 < held["dropped_messages"] < len(messages) - 2 and held["dropped_messages"] % 2 == 0
+    assert held["tokens"] <= CTX
+
+    # Resumed with the same context: the same view, its KV reused whole; the chat goes on.
+    again = chat(model, ["one more"], kvsnap_home, "--ctx-size", str(CTX), "--resume", str(path))
+    assert again.returncode == 0, again.stderr
+    out = held["dropped_messages"] // 2
+    assert f"32 earlier turns ({out} of them out of the model's view" in again.stderr
+    # Only the last answer may re-tokenize differently when the template renders it again.
+    reused = int(re.search(r"prompt tokens: ([\d,]+) reused", again.stderr).group(1).replace(",", ""))
+    assert held["tokens"] - 8 <= reused <= held["tokens"] and "the context is full" not in again.stderr
+    after = info(path)
+    assert [m["content"] for m in after["messages"] if m["role"] == "user"] == [*lines, "one more"]
+    assert after["dropped_messages"] >= held["dropped_messages"]
+
+
+def test_a_snapshot_larger_than_the_context_is_resumed_with_its_oldest_turns_out_of_view(model, tmp_path, kvsnap_home):
+    path = tmp_path / "chat.kv"
+    lines = turns(8)
+    assert chat(model, lines, kvsnap_home, "--resume", str(path)).returncode == 0
+    held = info(path)
+    assert held["tokens"] > 128 and held["dropped_messages"] == 0
+    proc = chat(model, ["and now?"], kvsnap_home, "--ctx-size", "128", "--resume", str(path))
+    assert proc.returncode == 0, proc.stderr
+    assert f"{path} does not fit the context size asked for (128 tokens): the " in proc.stderr
+    assert "oldest turns left the model's view" in proc.stderr
+    after = info(path)
+    assert [m["content"] for m in after["messages"] if m["role"] == "user"] == [*lines, "and now?"]
+    assert after["dropped_messages"] > 0 and after["tokens"] <= 128
 
 
 def test_the_answer_after_a_drop_is_a_cold_run_over_the_kept_messages(small):
@@ -129,6 +175,27 @@ def test_on_context_full_error_refuses_the_turn_and_changes_nothing(small):
     with pytest.raises(ContextFullError):
         s.chat("again", PARAMS)
     assert s.messages == messages and s.tokens == tokens and s.dropped_messages == 0
+
+
+def test_a_message_longer_than_the_context_is_refused_and_the_chat_goes_on(model, tmp_path, kvsnap_home):
+    path = tmp_path / "chat.kv"
+    proc = chat(model, ["hello", "word " * 400, "bye"], kvsnap_home, "--ctx-size", "128", "--resume", str(path))
+    assert proc.returncode == 0, proc.stderr
+    assert "with only this message in view, more than the context size asked for (128)" in proc.stderr
+    assert "the message was not sent" in proc.stderr
+    assert [m["content"] for m in info(path)["messages"] if m["role"] == "user"] == ["hello", "bye"]
+
+
+def test_the_stats_line_says_an_answer_stopped_at_the_context(model, tmp_path, monkeypatch, kvsnap_home):
+    from kvsnap.engine import runner as runner_mod
+
+    counter = iter(range(10**6))
+    # Tokens that neither end the turn nor repeat: the answer runs until the context is full.
+    monkeypatch.setattr(runner_mod, "sample", lambda logits, params, generator: 40 + next(counter) % 200)
+    args = ["chat", "--model", model, "--device", "cpu", "--temperature", "0", "--ctx-size", "64"]
+    result = runner.invoke(app, [*args, "--max-new-tokens", "500"], input="hello\n")
+    assert result.exit_code == 0, result.output
+    assert "stop_reason context]" in result.stderr
 
 
 def test_the_view_is_recorded_and_checked_like_the_messages(tmp_path):
