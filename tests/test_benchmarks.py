@@ -187,3 +187,15 @@ def test_packing_benchmark_compares_packed_and_unpacked_forwards(bench, tiny_mod
     for name in ("unpacked", "packed"):
         assert row[f"{name}_suffix_s"] > 0 and row[f"{name}_chunk_s"] > 0 and row[f"{name}_decode_s"] > 0
         assert row[f"{name}_linear_ms"] > 0  # the profile found the linear layers of both (mm or oneDNN)
+
+
+def test_context_shift_benchmark_times_both_ways_and_finds_the_rotation_exact(bench, tiny_model_dir):
+    args = ("--model", str(tiny_model_dir("llama")), "--contexts", "256", "--answer", "8", "--repeats", "1")
+    out, data = bench("context_shift", *args)
+    assert out.startswith("machine: ")
+    (row,) = data["rows"]
+    assert row["shift"] == "measured" and row["dropped_turns"] > 0 and row["prompt_tokens"] <= 128
+    assert row["recompute_s"] > 0 and row["shift_s"] > 0 and row["recompute_equals_cold"]
+    # Layer 0's KV depends on the token alone: a right rotation leaves only rounding there.
+    assert row["k_diff_layer0"] < 1e-4 * max(1.0, row["k_max_abs"])
+    assert 0 <= row["same_answer_tokens"] <= row["answer_tokens"] == 8
