@@ -105,12 +105,14 @@ def chat(
             _describe_history(session, resume, autosave)
             seen = Held.of(session.tokens, session.messages) if autosave == resume else None
             _verify(session, stats)
+            _fit_context(session, params, str(resume))
     elif opts.store_session is not None:
         stats = session.restore_store_session(opts.store_session)
         if stats is not None:
             ui.note(ui.resume_line(stats, decided=session.last_reuse))
             _describe_history(session, None, autosave)
             _verify(session, stats)
+            _fit_context(session, params, f"store session {opts.store_session!r}")
     target = AutosaveTarget(autosave, seen=seen) if autosave is not None else None
     keeping = Keeping(target, opts.store_session, force, BackgroundSaver(session))
     _say_where(keeping, opts.store)
@@ -166,12 +168,18 @@ def _step(session, params, keeping: Keeping, interactive: bool, system: str | No
 
 def _turn(text: str, session, params, keeping: Keeping, interactive: bool, system: str | None, gate) -> None:
     """One message and its answer, then the autosave; Ctrl-C stops the answer but never loses the turn."""
+    from kvsnap.errors import ContextFullError
+
     before = session.messages
     try:
         with ui.prefill_progress() as progress:
             result = session.chat(
                 text, params, system=system, on_text=ui.emit, on_progress=progress, store_session=keeping.store_name
             )
+    except ContextFullError as exc:  # nothing changed: the chat goes on without this message
+        gate.stop_interrupting()
+        ui.error(f"{exc}; the message was not sent")
+        return
     except KeyboardInterrupt:
         gate.stop_interrupting()
         ui.emit("\n")
@@ -184,6 +192,8 @@ def _turn(text: str, session, params, keeping: Keeping, interactive: bool, syste
         ui.emit("\n")
         if result.stop_reason == "interrupted":
             ui.note("(answer interrupted: the conversation keeps the part shown)")
+        if result.dropped_turns:
+            ui.note(ui.dropped_line(result.dropped_turns, _turns(session.view_messages), _turns(session.messages)))
         ui.note(ui.turn_stats(result))
         if result.verify is not None:
             ui.note(ui.verify_line(result.to_dict()))
@@ -196,10 +206,27 @@ def _turn(text: str, session, params, keeping: Keeping, interactive: bool, syste
         _autosave(session, keeping, interactive, background=True)
 
 
+def _turns(messages) -> int:
+    return sum(1 for m in messages or () if m["role"] == "user")
+
+
+def _fit_context(session, params, source: str) -> None:
+    """A resumed conversation larger than the context: the same turns leave the model's view as a turn
+    would drop, said in one line, before anything runs."""
+    from kvsnap.engine.chat_view import context_of, fit_held
+
+    refit = fit_held(session, params.max_new_tokens)
+    if refit is not None:
+        in_view = (_turns(session.view_messages), _turns(session.messages)) if session.messages else None
+        ui.note(ui.refit_line(refit, source, context_of(session.lm), in_view))
+
+
 def _describe_history(session, path: Path | None, autosave: Path | None) -> None:
     if session.messages:
-        turns = sum(1 for m in session.messages if m["role"] == "user")
-        ui.note(f"{ui.plural(turns, 'earlier turn')}; last answer: {_last_answer(session.messages)}")
+        turns = _turns(session.messages)
+        hidden = turns - _turns(session.view_messages)
+        out = f" ({hidden:,} of them out of the model's view: the context was full)" if hidden else ""
+        ui.note(f"{ui.plural(turns, 'earlier turn')}{out}; last answer: {_last_answer(session.messages)}")
     elif path is not None:
         kept = f"; {path} is replaced only by a conversation that continues it" if autosave == path else ""
         ui.note(f"{path} has no chat history: its tokens are reused where the conversation matches them{kept}")

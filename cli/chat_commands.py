@@ -38,8 +38,10 @@ def stats(session, keeping: Keeping) -> None:
 
     layout = session.lm.layout
     turns = sum(1 for m in (session.messages or []) if m["role"] == "user")
+    shown = sum(1 for m in (session.view_messages or []) if m["role"] == "user")
+    hidden = f", {turns - shown:,} out of the model's view" if shown < turns else ""
     ui.note(
-        f"{session.num_tokens:,} tokens in the session ({ui.plural(turns, 'turn')}), raw KV "
+        f"{session.num_tokens:,} tokens in the session ({ui.plural(turns, 'turn')}{hidden}), raw KV "
         f"{ui.human_bytes(session.num_tokens * layout.bytes_per_token)}, model {session.lm.name} "
         f"on {session.lm.device} ({layout.dtype}, {forward_kind(session.lm)}), "
         f"forward saw {session.runner.tokens_seen:,} tokens so far"

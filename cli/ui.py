@@ -142,10 +142,37 @@ def turn_stats(result: Any) -> str:
     ttft = f", ttft {result.ttft_s:.2f} s" if result.ttft_s is not None else ""
     source = " (logits from snapshot)" if result.logits_source == "snapshot" else ""
     decided = f" (recomputed, not loaded: {result.reuse_reason})" if result.reuse_decision == "recompute" else ""
-    stop = "" if result.stop_reason in ("eos", "stop", "none") else f"; stopped: {stop_words(result.stop_reason)}"
+    # An answer that ended any other way than by the model's own end of turn says how it ended.
+    stop = "" if result.stop_reason in ("eos", "stop", "none") else f", stop_reason {result.stop_reason}"
     return (
         f"[{result.prompt_tokens:,} prompt tokens: {result.hit_tokens:,} reused{decided}, {result.prefill_tokens:,} "
         f"prefilled in {plural(result.chunks, 'chunk')}{source}{ttft}; {result.new_tokens} new{rate}{stop}]"
+    )
+
+
+def dropped_line(dropped_turns: int, in_view: int, turns: int) -> str:
+    return (
+        f"the context is full: {_oldest(dropped_turns)} left the model's view "
+        f"({in_view:,} of {plural(turns, 'turn')} in view; the conversation keeps them all)"
+    )
+
+
+def _oldest(turns: int) -> str:
+    return "the oldest turn" if turns == 1 else f"the {turns:,} oldest turns"
+
+
+def refit_line(refit: Any, source: str, context: tuple[int, str], in_view: tuple[int, int] | None) -> str:
+    size, what = context
+    if in_view is None:
+        return (
+            f"{source} holds {refit.held_tokens:,} tokens, more than {what} ({size:,}) leaves room for: "
+            f"only its first {refit.kept_tokens:,} are kept for reuse"
+        )
+    shown, turns = in_view
+    return (
+        f"{source} does not fit {what} ({size:,} tokens): {_oldest(refit.dropped_turns)} left "
+        f"the model's view ({shown:,} of {plural(turns, 'turn')} in view; the conversation keeps them all); "
+        f"{refit.kept_tokens:,} of its {refit.held_tokens:,} tokens are reused"
     )
 
 
@@ -218,7 +245,9 @@ def print_inspect(info: dict[str, Any]) -> None:
         ("last logits", "stored" if info["last_logits"] else "absent (a full hit recomputes one token)"),
     ]
     if info.get("chat_turns") is not None:
-        rows.append(("chat", f"{info['chat_turns']} messages"))
+        hidden = info.get("dropped_messages") or 0
+        view = f", the oldest {hidden} (system messages aside) out of the model's view" if hidden else ""
+        rows.append(("chat", f"{info['chat_turns']} messages{view}"))
     if "made_by" in info:
         rows.append(("made by", _made_by(info["made_by"])))
     if "verified" in info:

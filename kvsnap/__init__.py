@@ -20,6 +20,7 @@ from typing import Any
 from kvsnap.config import DEFAULT_MODEL, SamplingParams, SessionConfig
 from kvsnap.errors import (
     ConfigError,
+    ContextFullError,
     ForeignSnapshotError,
     KvsnapError,
     ModelError,
@@ -52,6 +53,7 @@ __all__ = [
     "SamplingParams",
     "SessionConfig",
     "ConfigError",
+    "ContextFullError",
     "ForeignSnapshotError",
     "KvsnapError",
     "ModelError",

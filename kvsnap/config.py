@@ -27,6 +27,9 @@ DEFAULT_LEVEL = 1  # zstd level: 1 compresses float KV within 1% of level 3, sev
 DEFAULT_DEVICE = "auto"
 DEFAULT_DTYPE = "auto"
 ON_MISMATCH = ("error", "recompute")  # what to do when a --resume snapshot is refused
+# A chat turn whose prompt and answer room do not fit the context: drop the oldest turns from the model's
+# view (the messages keep them; kvsnap.engine.chat_view), or refuse the turn.
+ON_CONTEXT_FULL = ("drop_oldest", "error")
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +98,7 @@ class SessionConfig:
     explain: bool = False  # say where reuse stopped and why (TurnResult.miss)
     # A refused snapshot or a failed verify: "error" raises, "recompute" runs the prompt cold and says why.
     on_mismatch: str = "error"
+    on_context_full: str = "drop_oldest"  # Session.chat only; see ON_CONTEXT_FULL
 
     def check(self, *, with_store: bool = False) -> SessionConfig:
         """Raise ``ConfigError`` for a setting that cannot work; returns self."""
@@ -110,6 +114,7 @@ class SessionConfig:
         check_reuse(self.reuse)
         limits.check_level(self.level)
         check_choice("on_mismatch", self.on_mismatch, ON_MISMATCH)
+        check_choice("on_context_full", self.on_context_full, ON_CONTEXT_FULL)
         if self.verify not in (True, False, None) or self.explain not in (True, False):
             raise ConfigError("verify must be True, False or None (automatic), and explain True or False")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:

@@ -50,6 +50,10 @@ class ConfigError(KvsnapError):
     """A setting (sampling, chunk size, device, dtype, ...) is invalid."""
 
 
+class ContextFullError(ConfigError):
+    """A chat turn does not fit the context: its prompt leaves no room for an answer."""
+
+
 def one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return (text[0] if text else type(exc).__name__)[:200]

@@ -7,6 +7,7 @@ chat message list, used for snapshot metadata, store sessions and batch rows ali
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,3 +115,35 @@ def chat_messages(value: Any) -> Messages | None | bool:
     ):
         return False
     return tuple({"role": m["role"], "content": m["content"]} for m in value)
+
+
+# A chat that outgrew its context keeps every message; the oldest turns leave the model's view. The view
+# is the leading system messages, then the messages after the first ``dropped`` that follow them. Files
+# and store sessions record ``dropped`` under this key of their ``extra``, so a resumed chat shows the
+# model the same turns (and so matches the same tokens).
+DROPPED_MESSAGES = "dropped_messages"
+
+
+def leading_system(messages: Sequence[dict[str, str]]) -> int:
+    """How many messages at the start are system messages (they never leave the view)."""
+    n = 0
+    while n < len(messages) and messages[n].get("role") == "system":
+        n += 1
+    return n
+
+
+def chat_view(messages: Sequence[dict[str, str]], dropped: int) -> list[dict[str, str]]:
+    """The messages the model sees when the first ``dropped`` after the system messages are out of view."""
+    lead = leading_system(messages)
+    return [*messages[:lead], *messages[lead + dropped :]]
+
+
+def dropped_messages(extra: dict[str, Any], messages: Sequence[dict[str, str]] | None) -> int | None:
+    """The number of messages out of view that ``extra`` records (0 when it records none); None when it
+    is not a count these ``messages`` can have (the reader refuses such a file, the writer such a save)."""
+    value = extra.get(DROPPED_MESSAGES, 0)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        return None
+    if value and (messages is None or value > len(messages) - leading_system(messages)):
+        return None
+    return value

@@ -197,3 +197,15 @@ def test_decode_benchmark_reports_tokens_per_second_per_variant(bench, tiny_mode
     assert len(rates) == 2 * 2 and all(rate > 0 for rate in rates)
     assert {r["engine"] for r in data["runs"]} == {"kvsnap float32", "kvsnap float32-unpacked"}
     assert all(r["new_tokens"] == 6 for r in data["runs"])
+
+
+def test_context_shift_benchmark_times_both_ways_and_finds_the_rotation_exact(bench, tiny_model_dir):
+    args = ("--model", str(tiny_model_dir("llama")), "--contexts", "256", "--answer", "8", "--repeats", "1")
+    out, data = bench("context_shift", *args)
+    assert out.startswith("machine: ")
+    (row,) = data["rows"]
+    assert row["shift"] == "measured" and row["dropped_turns"] > 0 and row["prompt_tokens"] <= 128
+    assert row["recompute_s"] > 0 and row["shift_s"] > 0 and row["recompute_equals_cold"]
+    # Layer 0's KV depends on the token alone: a right rotation leaves only rounding there.
+    assert row["k_diff_layer0"] < 1e-4 * max(1.0, row["k_max_abs"])
+    assert 0 <= row["same_answer_tokens"] <= row["answer_tokens"] == 8

@@ -145,3 +145,14 @@ def test_a_library_session_never_measures_on_its_own(lm, tmp_path, forward_count
     result = again.run(list(range(5, 75)), SamplingParams(max_new_tokens=1, temperature=0), resume=tmp_path / "a.kv")
     assert result.reuse_decision == "load" and "not calibrated" in result.reuse_reason
     assert counter.tokens == 5  # the suffix alone (one new token needs no forward): no measurement ran
+
+
+def test_a_smaller_context_is_measured_at_the_models_own_lengths(tiny_model_dir):
+    """A chat with --ctx-size 256 resuming a file measured the cost model first, and its 1,024-token
+    prefill was refused as more than the context asked for: the resume ended in that error."""
+    from kvsnap.models import load_model
+
+    small = load_model(str(tiny_model_dir("llama")), device="cpu", ctx_size=256)
+    model = calibrate.calibrate(small)
+    assert [n for n, _ in model.prefill] == list(calibrate.LENGTHS)
+    assert small.max_positions == 256 and costs.cached(small) == model

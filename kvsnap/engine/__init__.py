@@ -4,6 +4,7 @@ that run the model, not by this package.
 assemble         ``open_session``: settings -> a ready ``Session`` (load, prepare, store, cost model)
 session          ``Session``: restore -> chunked prefill -> decode -> save
 chat             one chat turn over a session: messages in, the answer out, nothing half kept
+chat_view        what a chat shows the model once it outgrows the context: the oldest turns leave the view
 chat_template    chat messages -> token ids
 runner           forward passes with explicit positions; the decode loop
 sampling         logits -> token ids, token ids -> streamed text

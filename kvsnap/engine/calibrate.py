@@ -7,6 +7,7 @@ depends on length, not content.
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import time
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from kvsnap import limits
 from kvsnap.config import SessionConfig
 from kvsnap.engine import costs
 from kvsnap.engine.session import Session
@@ -38,9 +40,12 @@ def cost_model(
 def calibrate(lm: LoadedModel, *, progress: Callable[[str], None] | None = None) -> CostModel:
     """Time cold prefills at a few lengths and restores of the same KV from a page-cached ``.kv``."""
     say = progress or (lambda _msg: None)
-    # The model's own context, not a --ctx-size: the cost model is kept per machine and model.
-    limit = max_positions_of(lm.config) or max(LENGTHS)
+    # The model's own context, not a --ctx-size: the cost model is kept per machine and model, so it is
+    # measured at the same lengths whatever context this process asked for.
+    own = max_positions_of(lm.config)
+    limit = own or max(LENGTHS)
     lengths = [n for n in LENGTHS if n < limit] or [max(limit // 2, 1)]
+    lm = dataclasses.replace(lm, max_positions=own, context_source=limits.MODEL_CONTEXT)
     vocab = int(getattr(lm.config, "vocab_size", 0) or len(lm.tokenizer))
     ids = [(i * 7919 + 13) % vocab for i in range(max(lengths))]
     config = SessionConfig(reuse="load")  # what is measured must not itself ask for a measurement

@@ -13,7 +13,7 @@ import torch
 from kvsnap.engine.cache import KVCache
 from kvsnap.engine.encoded import EncodedBlocks
 from kvsnap.models.load import LoadedModel
-from kvsnap.types import BlockFormat, EncodedBlock
+from kvsnap.types import DROPPED_MESSAGES, BlockFormat, EncodedBlock
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +26,11 @@ class Contents:
     last_logits: torch.Tensor | None  # after tokens[-1]
     messages: list[dict[str, str]] | None
     made_by: dict[str, Any] | None  # what computed the KV (kvsnap.engine.verify.recorded); None: unknown
+    dropped_messages: int = 0  # of ``messages``, out of the model's view (kvsnap.types.chat_view)
+
+    def extra(self) -> dict[str, Any]:
+        """What a file or store session records beside the messages: how many are out of view."""
+        return {DROPPED_MESSAGES: self.dropped_messages} if self.dropped_messages else {}
 
     def encode(self, tokens: list[int] | None = None, first: int = 0) -> tuple[list[EncodedBlock], int]:
         """Blocks ``first``.. of ``tokens`` (default: all) as stored, and how many had to be encoded now."""

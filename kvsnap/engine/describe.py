@@ -60,6 +60,7 @@ def describe(
         }
         if meta.messages is not None:
             info["messages"] = [dict(m) for m in meta.messages]
+            info["dropped_messages"] = meta.dropped_messages  # out of the model's view (kvsnap.types.chat_view)
         if tokenizer is not None and meta.num_tokens:
             head = snap.tokens[:preview_tokens]
             tail = snap.tokens[-preview_tokens:] if meta.num_tokens > preview_tokens else []

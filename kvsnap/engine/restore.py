@@ -25,7 +25,7 @@ from kvsnap.format.pool import Scratch, map_in_order
 from kvsnap.format.reader import Snapshot
 from kvsnap.models.architecture import TORCH_DTYPES
 from kvsnap.models.load import LoadedModel
-from kvsnap.types import BlockFormat, EncodedBlock
+from kvsnap.types import DROPPED_MESSAGES, BlockFormat, EncodedBlock, dropped_messages
 
 if TYPE_CHECKING:
     from kvsnap.store import BlockStore
@@ -46,6 +46,7 @@ class Restored:
     encoded: dict[bytes, EncodedBlock]  # blocks already encoded as the session would save them
     messages: list[dict[str, str]] | None
     stats: RestoreStats
+    dropped_messages: int = 0  # of ``messages``, out of the model's view (kvsnap.types.chat_view)
 
 
 def from_snapshot(
@@ -88,7 +89,8 @@ def from_snapshot(
         if hit and load_ok is not None and not load_ok(hit, sum(b.stored_bytes for b in meta.blocks[:num_blocks])):
             messages = list(meta.messages) if (prompt_ids is None and meta.messages is not None) else None
             stats = RestoreStats(str(path), meta.num_tokens, 0, 0, time.perf_counter() - t0)
-            return Restored(KVCache(lm.config), [], None, {}, messages, stats)
+            dropped = meta.dropped_messages if messages is not None else 0
+            return Restored(KVCache(lm.config), [], None, {}, messages, stats, dropped)
         if pre is not None:
             cache = cache_from_buffer(lm.config, arena.adopt(pre.kv, TORCH_DTYPES[lm.layout.dtype]), hit)
             stored = pre.stored
@@ -109,7 +111,8 @@ def from_snapshot(
     made_by = (provenance.encode(provenance.parse(meta.extra.get("made_by"))),) * num_blocks
     seconds = time.perf_counter() - t0
     stats = RestoreStats(str(path), meta.num_tokens, hit, num_blocks, seconds, meta.block_size, made_by)
-    return Restored(cache, tokens, logits, encoded, messages, stats)
+    dropped = meta.dropped_messages if messages is not None else 0
+    return Restored(cache, tokens, logits, encoded, messages, stats, dropped)
 
 
 def _read_blocks(lm: LoadedModel, snap: Snapshot, prompt_ids, hit: int, num_blocks: int) -> tuple[KVCache, list]:
@@ -235,11 +238,14 @@ def from_store_session(lm: LoadedModel, store: BlockStore, name: str, fmt: Block
     encoded = {b.record.hash: b.encoded() for b in blocks if b.record.full and b.record.codec == fmt.codec}
     last = np.frombuffer(logits, dtype="<f4").copy() if logits is not None else None
     messages = [dict(m) for m in record.messages] if record.messages is not None else None
+    dropped = dropped_messages(record.extra, messages)
+    if dropped is None:
+        raise StoreError(f"store session {name!r}: its {DROPPED_MESSAGES} does not fit its chat messages")
     made_by = tuple(b.record.made_by for b in blocks)
     seconds = time.perf_counter() - t0
     where = f"store session {name!r}"
     stats = RestoreStats(where, num_tokens, num_tokens, len(blocks), seconds, chain.block_size, made_by)
-    return Restored(restorer.finish(lm.config), list(record.token_ids), last, encoded, messages, stats)
+    return Restored(restorer.finish(lm.config), list(record.token_ids), last, encoded, messages, stats, dropped)
 
 
 def _decode_store_blocks(restorer: KVTransfer, blocks, block_size: int, itemsize: int) -> tuple[int, Exception] | None:

@@ -54,6 +54,8 @@ class TurnResult:
     verify_s: float | None = None
     verify: dict[str, Any] | None = None
     miss: dict[str, Any] | None = None  # with explain: where reuse stopped and why (kvsnap.engine.explain.Miss)
+    # Session.chat: turns that left the model's view for this one to fit the context (kvsnap.engine.chat_view).
+    dropped_turns: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -37,7 +37,7 @@ from kvsnap.engine.runner import Generation, Runner, generate
 from kvsnap.engine.verify import VerifyReport
 from kvsnap.errors import ConfigError, SnapshotError, StoreError, VerifyError
 from kvsnap.models.load import LoadedModel
-from kvsnap.types import BlockFormat
+from kvsnap.types import BlockFormat, chat_view
 
 if TYPE_CHECKING:
     from kvsnap.reuse import ReuseDecision
@@ -114,6 +114,7 @@ class Session:
         self.cache = KVCache(self.lm.config)
         self.last_logits: torch.Tensor | None = None
         self.messages: list[dict[str, str]] | None = None
+        self.dropped_messages = 0  # of ``messages``, out of the model's view (kvsnap.engine.chat_view)
         self.encoded = EncodedBlocks()  # blocks already encoded as a save would write them
         self.inherited_made_by: tuple[str, ...] = ()  # restored KV's provenance, per block (verify.recorded)
         self.last_reuse: ReuseDecision | None = None  # the last load-or-recompute decision
@@ -159,7 +160,7 @@ class Session:
         logits = state.last_logits
         self.last_logits = torch.from_numpy(logits).to(self.lm.device) if logits is not None else None
         self.encoded = EncodedBlocks(state.encoded)
-        self.messages = state.messages
+        self.messages, self.dropped_messages = state.messages, state.dropped_messages
         self.inherited_made_by = state.stats.made_by
         return state.stats
 
@@ -218,9 +219,8 @@ class Session:
     def contents(self) -> Contents:
         """What the session holds, for writing it out (sampled tokens not yet run stay out)."""
         made_by = verifying.recorded(self.lm, self.inherited_made_by)
-        return Contents(
-            self.lm, self.block_format, self.tokens, self.cache, self.encoded, self.last_logits, self.messages, made_by
-        )
+        held = (self.tokens, self.cache, self.encoded, self.last_logits, self.messages, made_by, self.dropped_messages)
+        return Contents(self.lm, self.block_format, *held)
 
     def verify_restored(self, stats: RestoreStats | None) -> VerifyReport | None:
         """Spot check what was just restored (``config.verify``; see ``kvsnap.engine.verify``); None when
@@ -375,17 +375,17 @@ class Session:
     ) -> TurnResult:
         """One chat turn: append the user message, render, reuse what matches, answer (see ``engine.chat``).
 
-        With a block store and ``store_session``, the conversation is recorded there under that name.
+        A conversation that outgrows the context drops its oldest turns from view (``config.on_context_full``,
+        ``TurnResult.dropped_turns``; ``messages`` keep them). With a block store and ``store_session``, the
+        conversation is recorded there under that name.
         """
-        return chat_turn(
-            self,
-            user_text,
-            params,
-            system=system,
-            on_text=on_text,
-            on_progress=on_progress,
-            store_session=store_session,
-        )
+        kw = dict(system=system, on_text=on_text, on_progress=on_progress, store_session=store_session)
+        return chat_turn(self, user_text, params, **kw)
+
+    @property
+    def view_messages(self) -> list[dict[str, str]] | None:
+        """The messages the model sees: ``messages`` without the ``dropped_messages`` after the system ones."""
+        return chat_view(self.messages, self.dropped_messages) if self.messages is not None else None
 
     # -- save --------------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ def save(contents: Contents, path: str | Path, *, flushed: int = 0) -> SaveStats
         fingerprint_parts=lm.fingerprint_parts,
         storage_dtype=fmt.storage_dtype,
         # Lets inspect find the tokenizer of a model named by a relative path, a .gguf or a hub id.
-        extra={"model_folder": str(Path(lm.folder).resolve()), **made_by},
+        extra={"model_folder": str(Path(lm.folder).resolve()), **made_by, **contents.extra()},
     )
     logits = contents.logits_array()
     size = write_snapshot(path, header, contents.tokens, final, last_logits=logits, messages=contents.messages)

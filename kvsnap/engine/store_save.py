@@ -40,7 +40,8 @@ def store_session(store: BlockStore, contents: Contents, name: str) -> int:
     if not contents.tokens:
         return 0
     blocks = blocks_for_store(store, contents, contents.tokens)
-    kw: dict[str, Any] = dict(messages=contents.messages, last_logits=contents.logits_array(), **_settings(contents))
+    kw: dict[str, Any] = dict(messages=contents.messages, last_logits=contents.logits_array(), extra=contents.extra())
+    kw.update(_settings(contents))
     return store.add_session(name, chain_of(contents), contents.tokens, blocks, **kw).new_blocks
 
 

@@ -30,7 +30,7 @@ from kvsnap.limits import (
     check_layout,
     check_level,
 )
-from kvsnap.types import KV_DTYPES, EncodedBlock, KVLayout, chat_messages
+from kvsnap.types import DROPPED_MESSAGES, KV_DTYPES, EncodedBlock, KVLayout, chat_messages, dropped_messages
 
 FORMAT_VERSION = 1
 READABLE_VERSIONS = (1,)
@@ -103,6 +103,8 @@ def build_meta(
     from odd terminals still makes a valid file); ``SaveError`` for what the reader would refuse."""
     header.check()
     check_contents(header, num_tokens, blocks)
+    if dropped_messages(header.extra or {}, messages) is None:
+        raise SaveError(f"cannot write the snapshot: {DROPPED_MESSAGES} does not fit its chat messages")
     meta: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "hash_scheme": hashing.HASH_SCHEME,
@@ -188,6 +190,11 @@ class SnapshotMeta:
             storage_dtype=self.storage_dtype or None,
             extra=dict(self.extra),
         )
+
+    @property
+    def dropped_messages(self) -> int:
+        """Chat messages out of the model's view (``kvsnap.types.chat_view``); checked when the file was read."""
+        return self.extra.get(DROPPED_MESSAGES, 0)
 
     @property
     def kv_bytes(self) -> int:
@@ -302,6 +309,8 @@ def _meta_from_dict(raw: dict[str, Any]) -> SnapshotMeta:
     extra = raw.get("extra") or {}
     if not isinstance(extra, dict):
         raise SnapshotError("metadata field extra is not an object")
+    if dropped_messages(extra, messages) is None:
+        raise SnapshotError(f"metadata field {DROPPED_MESSAGES} does not fit the chat messages")
     return SnapshotMeta(
         format_version=raw["format_version"],
         model=_str(raw["model"], "model"),
