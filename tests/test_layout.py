@@ -167,7 +167,7 @@ def _group(name: str) -> str:
 def test_every_module_is_seen():
     """The checks below read the tree itself: a new module is covered without being listed."""
     assert {"kvsnap", "kvsnap.engine.session", "kvsnap_cli.main", "kvsnap.store.store"} <= set(MODULES)
-    assert all(m.all_imports for m in MODULES.values() if m.path.stat().st_size > 2000)
+    assert all(m.all_imports for m in MODULES.values() if m.path.name != "__init__.py" and m.path.stat().st_size > 2000)
 
 
 def test_imports_run_one_way():
