@@ -92,6 +92,10 @@ class SessionConfig:
     # only when the versions or device that made the KV differ from the running ones.
     verify: bool | None = None
     explain: bool = False  # say where reuse stopped and why (TurnResult.miss)
+    # A batch-invariant forward (kvsnap.models.exact): a token's KV does not depend on how the prompt was
+    # cut into chunks, so a resumed run equals a cold one bit for bit in bfloat16 too. Costs prefill and
+    # decode time (benchmarks/exact.py); the native forward only.
+    exact: bool = False
 
     def check(self, *, with_store: bool = False) -> SessionConfig:
         """Raise ``ConfigError`` for a setting that cannot work; returns self."""
@@ -109,6 +113,8 @@ class SessionConfig:
         limits.check_level(self.level)
         if self.verify not in (True, False, None) or self.explain not in (True, False):
             raise ConfigError("verify must be True, False or None (automatic), and explain True or False")
+        if self.exact not in (True, False):
+            raise ConfigError("exact must be True or False")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"unknown KV storage dtype {self.kv_dtype!r} (known: {', '.join(KV_DTYPES)})")
         if with_store and self.codec in LOSSY_CODECS:
