@@ -84,6 +84,17 @@ Explain = Annotated[
         "around it, and a likely cause (system message, chat template, tokenization, model, namespace).",
     ),
 ]
+Exact = Annotated[
+    bool,
+    typer.Option(
+        "--exact",
+        metavar="",
+        help="A batch-invariant prefill: a token's KV does not depend on how the prompt was cut into chunks, "
+        "so a resumed run answers exactly as a cold one in bfloat16 too (float32 needs no flag for greedy "
+        "answers). Slower prefill and decode (benchmarks/exact.py); a snapshot made without it resumes as "
+        "another model's rounding.",
+    ),
+]
 Stop = Annotated[list[str] | None, typer.Option("--stop", help="Stop generating at this string (repeatable).")]
 Resume = Annotated[Path | None, typer.Option(help="Snapshot (.kv) to reuse as the prefix cache.")]
 ResumeIfExists = Annotated[
@@ -152,6 +163,7 @@ class SessionOptions:
     store_session: str | None
     verify: bool | None
     explain: bool
+    exact: bool
 
     defaults: SamplingParams = config.RUN_SAMPLING  # what an unset sampling flag falls back to
 
@@ -177,6 +189,7 @@ class SessionOptions:
             reuse=self.reuse,
             verify=self.verify,
             explain=self.explain,
+            exact=self.exact,
         )
         return cfg.check(with_store=self.store is not None)
 
@@ -214,6 +227,7 @@ def _shared(sampling: SamplingParams, model_defaults: bool) -> list[tuple[str, A
         ("store_session", StoreSession, None),
         ("verify", Verify, None),
         ("explain", Explain, False),
+        ("exact", Exact, False),
         ("block_size", BlockSize, config.DEFAULT_BLOCK_SIZE),
         ("codec", Codec, config.DEFAULT_CODEC),
         ("kv_dtype", KvDtype, None),

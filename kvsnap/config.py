@@ -99,6 +99,10 @@ class SessionConfig:
     # A refused snapshot or a failed verify: "error" raises, "recompute" runs the prompt cold and says why.
     on_mismatch: str = "error"
     on_context_full: str = "drop_oldest"  # Session.chat only; see ON_CONTEXT_FULL
+    # A batch-invariant forward (kvsnap.models.exact): a token's KV does not depend on how the prompt was
+    # cut into chunks, so a resumed run equals a cold one bit for bit in bfloat16 too. Costs prefill and
+    # decode time (benchmarks/exact.py); the native forward only.
+    exact: bool = False
 
     def check(self, *, with_store: bool = False) -> SessionConfig:
         """Raise ``ConfigError`` for a setting that cannot work; returns self."""
@@ -117,6 +121,8 @@ class SessionConfig:
         check_choice("on_context_full", self.on_context_full, ON_CONTEXT_FULL)
         if self.verify not in (True, False, None) or self.explain not in (True, False):
             raise ConfigError("verify must be True, False or None (automatic), and explain True or False")
+        if self.exact not in (True, False):
+            raise ConfigError("exact must be True or False")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise ConfigError(f"unknown KV storage dtype {self.kv_dtype!r} (known: {', '.join(KV_DTYPES)})")
         if with_store and self.codec in LOSSY_CODECS:

@@ -17,14 +17,19 @@ from kvsnap import limits
 from kvsnap.config import SamplingParams
 from kvsnap.engine.cache import KVCache
 from kvsnap.engine.sampling import TextStream, is_looping, sample
+from kvsnap.errors import ConfigError
 from kvsnap.models.load import LoadedModel
 
 
 class Runner:
     """Forward passes over a cache for one loaded model."""
 
-    def __init__(self, lm: LoadedModel):
+    def __init__(self, lm: LoadedModel, exact: bool = False):
+        """``exact``: every forward batch-invariant (``kvsnap.models.exact``; the native forward only)."""
+        if exact and lm.backend != "native":
+            raise ConfigError(f"exact needs kvsnap's native forward; this model runs the {lm.backend} one")
         self.lm = lm
+        self.exact = exact
         self.tokens_seen = 0  # every token any forward of this runner processed
 
     def forward(self, cache: KVCache, token_ids: Sequence[int], start: int) -> torch.Tensor:
@@ -40,6 +45,7 @@ class Runner:
                 use_cache=True,
                 logits_to_keep=1,  # only the last position is ever sampled
                 **{self.lm.cache_kwarg: cache},
+                **({"exact": True} if self.exact else {}),
             )
         self.tokens_seen += len(token_ids)
         return out.logits[0, -1].float()

@@ -81,7 +81,7 @@ class Session:
             raise ConfigError("give a SessionConfig or its settings as keywords, not both")
         self.config = config.check(with_store=store is not None).check_layout(lm.layout)
         self.lm = lm
-        self.runner = Runner(lm)
+        self.runner = Runner(lm, exact=config.exact)
         self.store = store
         self.measure_costs = measure_costs
         # Opt-in narrower storage of the KV in snapshots (lossy for a float32 cache); named in the file.

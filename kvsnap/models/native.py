@@ -17,6 +17,7 @@ tests see the same model.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvsnap.models import exact as invariant
 from kvsnap.models import packing
 from kvsnap.models.native_config import FAMILY
 
@@ -85,15 +87,15 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout (kvsnap.models.packing)
         self.packed_of: packing.Source | None = None  # the weight it was made from
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
         packed, source = self.packed, self.packed_of
-        if packed is not None and source is not None:
-            if source.matches(self.weight):
-                if x.dtype == packed.dtype:
-                    return packing.linear(x, packed, self.bias)
-            else:  # moved, cast (even back) or loaded since: the copy is stale, drop it
-                self.packed = self.packed_of = None
-        return F.linear(x, self.weight, self.bias)
+        if packed is not None and source is not None and not source.matches(self.weight):
+            packed = self.packed = self.packed_of = None  # moved, cast (even back) or loaded since: stale, drop it
+        if packed is not None and x.dtype == packed.dtype:
+            product = functools.partial(packing.linear, packed=packed, bias=self.bias)
+        else:
+            product = functools.partial(F.linear, weight=self.weight, bias=self.bias)
+        return invariant.in_row_tiles(x, product) if exact else product(x)
 
 
 class Embedding(nn.Module):
@@ -140,14 +142,17 @@ class Attention(nn.Module):
         self.o_proj = Linear(s.heads * s.head_dim, s.hidden, bias=s.o_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask, cache) -> torch.Tensor:
+        exact = isinstance(mask, invariant.Plan)
         shape = (*x.shape[:-1], -1, self.head_dim)
-        q = self.q_proj(x).view(shape).transpose(1, 2)
-        k = self.k_proj(x).view(shape).transpose(1, 2)
-        v = self.v_proj(x).view(shape).transpose(1, 2)
+        q = self.q_proj(x, exact).view(shape).transpose(1, 2)
+        k = self.k_proj(x, exact).view(shape).transpose(1, 2)
+        v = self.v_proj(x, exact).view(shape).transpose(1, 2)
         q = (q * cos) + (_rotate_half(q) * sin)
         k = (k * cos) + (_rotate_half(k) * sin)
         if cache is not None:
             k, v = cache.update(k, v, self.index)
+        if exact:
+            return self.o_proj(invariant.attention(q, k, v, self.scaling, mask), exact=True)
         # One query over the cache, or a first chunk (causal, no mask): what transformers' SDPA path
         # runs; a later chunk: kvsnap's GQA attention's mask (kvsnap/engine/attention.py), made additive.
         causal = mask is None and q.shape[2] > 1
@@ -165,7 +170,10 @@ class MLP(nn.Module):
         self.up_proj = Linear(s.hidden, s.intermediate, bias=s.mlp_bias)
         self.down_proj = Linear(s.intermediate, s.hidden, bias=s.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        if exact:
+            act = invariant.silu(self.gate_proj(x, exact=True)) * self.up_proj(x, exact=True)
+            return self.down_proj(act, exact=True)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -179,7 +187,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, mask, cache) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), isinstance(mask, invariant.Plan))
 
 
 class Decoder(nn.Module):
@@ -190,7 +198,7 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(s.hidden, s.eps)
         self.register_buffer("inv_freq", _inv_freq(s), persistent=False)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, exact: bool = False) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         freqs = position_ids[..., None].float() * self.inv_freq.to(dtype=torch.float)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -199,7 +207,9 @@ class Decoder(nn.Module):
         q_len = input_ids.shape[1]
         past = cache.get_seq_length() if cache is not None else 0
         mask = None
-        if q_len > 1 and past:
+        if exact:  # the attention's cut, for every layer (kvsnap.models.exact)
+            mask = invariant.Plan.of(past, q_len, self.layers[0].self_attn.groups, input_ids.device)
+        elif q_len > 1 and past:
             # Query i (position past + i) sees keys 0..past + i. Additive, made once here: SDPA turns a
             # bool mask into this very tensor in every layer (7% of a 32-token forward's attention at 4k).
             keys = torch.arange(past + q_len, device=input_ids.device)
@@ -255,15 +265,21 @@ class NativeCausalLM(nn.Module):
         cache=None,
         use_cache: bool = True,
         logits_to_keep: int = 0,
+        exact: bool = False,
         **_: Any,
     ) -> Output:
+        """``exact``: a batch-invariant forward (``kvsnap.models.exact``): a token's KV, and each row's
+        logits, do not depend on how many tokens the forward runs."""
         if self.packing is not None:
             self.packing.wait()  # every forward after start_packing runs over the packed weights, or none
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(past, past + input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-        hidden = self.model(input_ids, position_ids, cache if use_cache else None)
-        return Output(self.lm_head(hidden[:, slice(-logits_to_keep, None), :]))
+        hidden = self.model(input_ids, position_ids, cache if use_cache else None, exact)
+        hidden = hidden[:, slice(-logits_to_keep, None), :]
+        if exact:
+            return Output(invariant.one_row_at_a_time(hidden, self.lm_head))
+        return Output(self.lm_head(hidden))
 
 
 class NotNative(Exception):
