@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from kvsnap_cli import calibrate_cmd, chat, inspect_cmd, pull, run, serve, store_cmd
+from kvsnap_cli import calibrate_cmd, chat, inspect_cmd, models_cmd, pull, run, serve, store_cmd
 from kvsnap_cli.common import state
 
 app = typer.Typer(
@@ -69,3 +69,4 @@ for name, command in commands:
 for command in store_cmd.app.registered_commands:
     command.help = unwrap(command.help or command.callback.__doc__)
 app.add_typer(store_cmd.app, name="store")
+app.add_typer(models_cmd.app, name="models")

@@ -21,8 +21,13 @@ from kvsnap import config
 from kvsnap.config import SamplingParams
 from kvsnap.errors import ConfigError
 
+# --help groups options by what they are about; the rare ones (ADVANCED) are hidden from chat's and run's
+# --help, so it fits a screen, and shown by --help-all.
+MODEL, GENERATION, SNAPSHOT, STORE, OUTPUT = "Model", "Generation", "Snapshot", "Store", "Output"
+ADVANCED = "Advanced"
+
 MODEL_HELP = (
-    f"Model: {config.DEFAULT_MODEL} (default), a model folder, a .gguf file, or a hub id in the local HF cache."
+    f"Model: {config.DEFAULT_MODEL} (default), a folder, a .gguf file, or a hub name: org/name or org/name:FILE.gguf."
 )
 
 Model = Annotated[str, typer.Option("--model", "-m", help=MODEL_HELP)]
