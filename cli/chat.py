@@ -26,6 +26,8 @@ from kvsnap_cli.chat_input import Command, InterruptGate, Message, read_entry
 from kvsnap_cli.chat_keeping import Keeping
 from kvsnap_cli.common import guarded, open_session
 
+# How long the prompt waits for an autosave to finish so its line comes first.
+SAVE_NOTE_WAIT_S = 1.0
 HELP = """commands:
   /save [FILE]   save now (default: the autosave file); refuses to replace a file this chat does not continue
   /save! [FILE]  save now, replacing the file whatever it holds
@@ -140,7 +142,9 @@ def _loop(session, params, keeping: Keeping, interactive: bool, system: str | No
 
 def _step(session, params, keeping: Keeping, interactive: bool, system: str | None, gate: InterruptGate) -> bool:
     """Read one message or command and act on it; returns False to quit."""
-    if keeping.saver.done():  # the autosave finished while the answer was read: say how it went now
+    # The autosave usually takes a fraction of a second: its line is printed before the next prompt, not
+    # under the message typed next. A slower one is reported once it is done, the prompt does not wait.
+    if keeping.saver.finished_within(SAVE_NOTE_WAIT_S):
         _settle(keeping, gate)
     try:
         entry = read_entry(input, interactive)

@@ -245,6 +245,32 @@ def test_chat_slash_commands(model, tmp_path, kvsnap_home):
     assert "unknown command /bogus" in result.stderr
 
 
+def test_chat_stats_counts_the_tokens_a_save_holds(model, tmp_path, kvsnap_home):
+    result = _chat(model, tmp_path / "c.kv", "hi\n/stats\n", str(kvsnap_home))
+    assert result.returncode == 0, result.stderr
+    saved = int(re.search(r"saved (\d+) tokens to", result.stderr).group(1))
+    assert f"\n{saved} tokens in the session (1 turn) + 1 answer token the next message runs first" in result.stderr
+
+
+def test_chat_says_an_autosave_before_reading_the_next_message(model, tmp_path, monkeypatch):
+    """In a terminal the line of an autosave came under the message typed next; it comes before the prompt."""
+    import builtins
+
+    from kvsnap_cli import ui
+
+    events: list[str] = []
+    note, read = ui.note, builtins.input
+    monkeypatch.setattr(ui, "note", lambda message: (events.append(message), note(message)))
+    monkeypatch.setattr(builtins, "input", lambda prompt="": (events.append("<input>"), read(prompt))[1])
+    args = [*base(model), "--resume", str(tmp_path / "c.kv"), "--temperature", "0", "--max-new-tokens", "4"]
+    result = runner.invoke(app, ["chat", *args], input="hi\nagain\n")
+    assert result.exit_code == 0, result.output
+    reads = [i for i, e in enumerate(events) if e == "<input>"]
+    saves = [i for i, e in enumerate(events) if e.startswith("saved ")]
+    assert len(reads) == 3 and len(saves) == 2
+    assert reads[0] < saves[0] < reads[1] < saves[1] < reads[2]
+
+
 def test_chat_save_failure_keeps_the_chat_going(model, tmp_path, kvsnap_home):
     """Guards a crash: a /save into a missing folder raised a traceback and ended the conversation."""
     result = _chat(
