@@ -43,35 +43,43 @@ input: one message per line; in a terminal, a line holding only \"\"\" starts an
 @o.session_options(CHAT_SAMPLING, model_defaults=True)
 def chat(
     resume: Annotated[
-        Path | None, typer.Option(help="Resume this snapshot (started fresh if it does not exist).")
+        Path | None,
+        typer.Option(metavar="FILE", help="Resume this snapshot (a new one if missing).", rich_help_panel=o.SNAPSHOT),
     ] = None,
     save: Annotated[
-        Path | None, typer.Option(help="Autosave here after every turn (default: the --resume file).")
+        Path | None,
+        typer.Option(metavar="FILE", help="Autosave here (default: the --resume file).", rich_help_panel=o.SNAPSHOT),
     ] = None,
     force: Annotated[
         bool,
         typer.Option(
             "--force",
             metavar="",
-            help="Let the autosave replace its file even if it holds a conversation this chat does not continue.",
+            help="Let the autosave replace another conversation.",
+            rich_help_panel=o.SNAPSHOT,
         ),
     ] = False,
     on_mismatch: Annotated[
         str,
         typer.Option(
+            metavar="HOW",
             help="If the --resume snapshot is refused: ask (error when not a terminal), error, recompute. If its KV "
-            "fails the --verify check, ask and recompute keep the conversation and compute its KV again."
+            "fails the --verify check, ask and recompute keep the conversation and compute its KV again.",
+            rich_help_panel=o.ADVANCED,
+            hidden=True,
         ),
     ] = "ask",
-    system: Annotated[str | None, typer.Option(help="System message for a new conversation.")] = None,
+    system: Annotated[
+        str | None,
+        typer.Option(metavar="TEXT", help="System message of a new conversation.", rich_help_panel=o.GENERATION),
+    ] = None,
     *,
     opts: o.SessionOptions,
 ) -> None:
     """Chat with a local model; the conversation's KV cache is saved after every turn and resumed for free.
 
-    Reads one message per line. When stdin is not a terminal (a pipe or a file), each line is a user
-    message and /exit or end of input ends the chat. With --store and --store-session NAME the chat is
-    recorded in the block store under NAME after every turn, and the next chat with that name resumes it.
+    One message per line, from a terminal or a pipe; /exit or end of input ends the chat, /help lists the
+    commands. --help-all shows every option.
     """
     from kvsnap.config import ON_MISMATCH, check_choice
     from kvsnap.engine.background_save import BackgroundSaver

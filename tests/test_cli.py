@@ -319,3 +319,32 @@ def test_inspect_finds_the_tokenizer_of_a_model_named_by_a_relative_path(tiny_mo
     monkeypatch.chdir(tmp_path)  # "./llama" means nothing here; the recorded folder still does
     info = json.loads(invoke("inspect", str(snap), "--json", "--prompt", DOC).stdout)
     assert info["preview_start"] and info["hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("command", ["chat", "run"])
+def test_help_fits_a_screen_and_help_all_documents_every_option(command):
+    from typer.main import get_command
+
+    short = runner.invoke(app, [command, "--help"], env={"COLUMNS": "80"})
+    assert short.exit_code == 0, short.output
+    lines = short.output.splitlines()
+    assert len(lines) <= 60, short.output
+    wrapped = [line for line in lines if line.startswith("│") and not line[1:].lstrip().startswith(("-", "│"))]
+    assert wrapped == [], "every option's help is one line"
+    full = runner.invoke(app, [command, "--help-all"], env={"COLUMNS": "80"})
+    assert full.exit_code == 0, full.output
+    assert "Advanced" in full.output and "Advanced" not in short.output
+    options = [p for p in get_command(app).commands[command].params if p.param_type_name == "option"]
+    assert len(options) > 20
+    for option in options:
+        assert option.help, option.name
+        assert option.opts[0] in full.output, option.opts[0]
+
+
+def test_version_has_a_short_flag_and_the_shell_completes_commands():
+    assert invoke("-V").stdout == invoke("--version").stdout == f"kvsnap {__import__('kvsnap').__version__}\n"
+    env = {"_KVSNAP_COMPLETE": "complete_bash", "COMP_WORDS": "kvsnap mod", "COMP_CWORD": "1"}
+    completed = runner.invoke(app, [], env=env, prog_name="kvsnap")
+    assert completed.stdout.split() == ["models"]
+    shown = invoke("--show-completion", "bash")
+    assert shown.exit_code == 0 and "_KVSNAP_COMPLETE=complete_bash" in shown.stdout
