@@ -28,7 +28,13 @@ from pathlib import Path
 from kvsnap.errors import ModelError
 from kvsnap.format.atomic import fsync_dir, locked, replace_whole
 from kvsnap.models import catalog
-from kvsnap.models.fingerprint import config_file, file_stamp, files_digest, raw_weights_digest
+from kvsnap.models.fingerprint import (
+    config_file,
+    file_stamp,
+    files_digest,
+    raw_weights_digest,
+    remember_weights_digest,
+)
 from kvsnap.paths import open_regular
 
 Progress = Callable[[str], None]
@@ -113,7 +119,7 @@ def _convert_locked(gguf: Path, folder: Path, progress: Progress, name: str) -> 
         source = {"source": str(gguf), "name": name, "converted_at": time.time()}
         (tmp / catalog.READY).write_text(json.dumps(source))
         # The file as first written fixes the weights' digest, whatever layout the folder is rewritten in.
-        _standard_layout(tmp, model.config.architectures or [type(model).__name__])
+        _standard_layout(tmp, model.config.architectures or [type(model).__name__], in_place=False)
         if folder.exists():
             shutil.rmtree(folder)
         os.replace(tmp, folder)
@@ -191,7 +197,7 @@ def repair(folder: Path, progress: Progress = noop) -> None:
         with locked(folder.parent):
             if needs_repair(folder):  # another process may have done it meanwhile
                 progress(f"rewriting {folder.name} as a standard checkpoint (one time)")
-                _standard_layout(folder, None)
+                _standard_layout(folder, None, in_place=True)
     except OSError:
         pass
 
@@ -209,18 +215,19 @@ def _aliases(weights: Path) -> dict[str, str]:
     return {k: v for k, v in metadata.items() if isinstance(v, str) and v in names and k not in names}
 
 
-def _standard_layout(folder: Path, architectures: list[str] | None) -> None:
+def _standard_layout(folder: Path, architectures: list[str] | None, *, in_place: bool) -> None:
     """Store every tensor under the names transformers saves, and name the architectures in config.json.
 
     The ready marker maps the new weights file's digest to the digest the folder had (written before the
     weights are replaced: a crash in between leaves the old file, whose digest the mapping leaves alone).
+    ``in_place``: a folder in use (its digests are cached), not a conversion's temp folder.
     """
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     weights = folder / WEIGHTS
     config = config_file(folder)
-    before = raw_weights_digest(folder, cache=False)
+    before = raw_weights_digest(folder, cache=in_place)  # a new conversion's temp folder is not kept
     aliases = _aliases(weights)
     with safe_open(str(weights), "pt") as f:
         tensors = {name: f.get_tensor(name) for name in list(f.keys())}  # noqa: SIM118 (a safe_open is not a dict)
@@ -246,6 +253,8 @@ def _standard_layout(folder: Path, architectures: list[str] | None) -> None:
             replace_whole(folder / "config.json", [(json.dumps(config, indent=2, sort_keys=True) + "\n").encode()])
         os.replace(tmp, weights)
         fsync_dir(folder)
+        if in_place:
+            remember_weights_digest(folder, after)
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

@@ -82,8 +82,20 @@ def raw_weights_digest(folder: Path, *, cache: bool = True) -> str:
     except (OSError, ValueError, AttributeError):
         pass
     digest = files_digest(files)
-    if not cache:
-        return digest
+    if cache:
+        _remember(cache_file, stamp, digest)
+    return digest
+
+
+def remember_weights_digest(folder: Path, digest: str) -> None:
+    """Record ``digest`` as the raw digest of ``folder``'s weight files as they are now (one that was just
+    computed while writing them), so the next load does not hash them again."""
+    files = weight_files(folder)
+    key = hashlib.blake2b(str(folder.resolve()).encode(), digest_size=8).hexdigest()
+    _remember(kvsnap_home() / "digests" / f"{key}.json", [[p.name, *file_stamp(p.stat())] for p in files], digest)
+
+
+def _remember(cache_file: Path, stamp: list, digest: str) -> None:
     try:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
@@ -91,7 +103,6 @@ def raw_weights_digest(folder: Path, *, cache: bool = True) -> str:
         os.replace(tmp, cache_file)
     except OSError:
         pass  # a read-only home only costs a re-hash next time
-    return digest
 
 
 def weight_files(folder: Path) -> list[Path]:
