@@ -152,8 +152,14 @@ def _step(session, params, keeping: Keeping, interactive: bool, system: str | No
     """Read one message or command and act on it; returns False to quit."""
     # The autosave usually takes a fraction of a second: its line is printed before the next prompt, not
     # under the message typed next. A slower one is reported once it is done, the prompt does not wait.
-    if keeping.saver.finished_within(SAVE_NOTE_WAIT_S):
-        _settle(keeping, gate)
+    # Ctrl-C meanwhile is held, as in any wait for the save (an interrupted join could lose its result).
+    if keeping.saver.in_flight:
+        with gate.holding():
+            done = keeping.saver.finished_within(SAVE_NOTE_WAIT_S)
+        if done:
+            _settle(keeping, gate, held=gate.held)
+        elif gate.held:  # a Ctrl-C at the prompt, as below
+            ui.note("(/exit or Ctrl-D to quit)")
     try:
         entry = read_entry(input, interactive)
     except EOFError:
@@ -307,10 +313,10 @@ def _save_failed(exc: Exception) -> None:
     ui.error(f"{exc} (the conversation is kept; /save FILE to save elsewhere)")
 
 
-def _settle(keeping: Keeping, gate: InterruptGate) -> bool:
+def _settle(keeping: Keeping, gate: InterruptGate, held: bool = False) -> bool:
     """Wait for the autosave in flight, if any, with Ctrl-C held (the turn on screen must not be lost),
     and say how it went: a failure is one error line, and the previous file is unchanged. Returns True
-    when a Ctrl-C was held meanwhile."""
+    when a Ctrl-C was held meanwhile (``held``: one was held in an earlier wait for this save)."""
     from kvsnap.errors import KvsnapError
 
     if not keeping.saver.in_flight:
@@ -324,9 +330,10 @@ def _settle(keeping: Keeping, gate: InterruptGate) -> bool:
     if saved is not None:
         keeping.saving_to.saved(saved.held.tokens, saved.held.messages, stamp=saved.stamp)
         ui.note(ui.save_line(saved.stats))
-    if gate.held:
+    held = held or gate.held
+    if held:
         ui.note("(Ctrl-C was held until the turn was saved)")
-    return gate.held
+    return held
 
 
 def _ask(question: str, choices: str, default: str) -> str:
