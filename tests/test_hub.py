@@ -200,3 +200,28 @@ def test_a_path_that_exists_is_never_taken_for_a_hub_name(hub, tmp_path, monkeyp
     ran = invoke(*run_args(REPO))
     assert ran.exit_code == 0, ran.output
     assert hub.log == []
+
+
+@pytest.mark.slow
+def test_the_default_models_gguf_named_on_the_hub_is_the_default_model(hub, tmp_path):
+    """One file is converted once, however it is named: fetched from the hub, the default model's GGUF is the
+    default model (found by its content), not a second 517 MB conversion."""
+    from conftest import real_model_home
+
+    from kvsnap import models
+    from kvsnap.config import DEFAULT_MODEL
+
+    gguf, converted = models.default_gguf_path(), real_model_home() / "models" / DEFAULT_MODEL
+    if gguf is None or not models.is_ready(converted):
+        pytest.skip(f"the default model is not installed and converted; run: {models.INSTALL_COMMAND}")
+    hub.repos["someone/smollm2-gguf"] = {gguf.name: gguf.read_bytes(), "README.md": b"# SmolLM2"}
+    root = tmp_path / "home" / "models"
+    root.mkdir(parents=True)
+    (root / DEFAULT_MODEL).symlink_to(converted)  # this home's default model is the one converted already
+    pulled = invoke("pull", f"someone/smollm2-gguf:{gguf.name}")
+    assert pulled.exit_code == 0, pulled.output
+    assert f"ready in {root / DEFAULT_MODEL}" in pulled.stdout
+    assert [p.name for p in root.iterdir() if not p.name.startswith(".")] == [DEFAULT_MODEL]
+    assert [path for _, path, _ in hub.gets() if "/resolve/" in path] == [
+        f"/someone/smollm2-gguf/resolve/main/{gguf.name}"
+    ]
