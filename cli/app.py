@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from kvsnap_cli import calibrate_cmd, chat, inspect_cmd, pull, run, serve, store_cmd
+from kvsnap_cli import calibrate_cmd, chat, inspect_cmd, models_cmd, pull, run, serve, store_cmd
 from kvsnap_cli.common import state
 
 app = typer.Typer(
@@ -16,7 +16,6 @@ app = typer.Typer(
         "loads the matching prefix (no recompute) and prefills only what is new."
     ),
     no_args_is_help=True,
-    add_completion=False,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
@@ -36,7 +35,7 @@ def _root(
     version: Annotated[
         bool,
         typer.Option(
-            "--version", metavar="", callback=_version, is_eager=True, help="Print kvsnap's version and exit."
+            "--version", "-V", metavar="", callback=_version, is_eager=True, help="Print kvsnap's version and exit."
         ),
     ] = False,
 ) -> None:
@@ -66,6 +65,7 @@ commands = (
 )
 for name, command in commands:
     app.command(name, help=unwrap(command.__doc__))(command)
-for command in store_cmd.app.registered_commands:
+for command in (*store_cmd.app.registered_commands, *models_cmd.app.registered_commands):
     command.help = unwrap(command.help or command.callback.__doc__)
-app.add_typer(store_cmd.app, name="store")
+app.add_typer(store_cmd.app, name="store", short_help="Look after a block store of KV blocks shared by many sessions.")
+app.add_typer(models_cmd.app, name="models", short_help="List or remove the models kvsnap downloaded or converted.")

@@ -19,11 +19,11 @@ def calibrate(
     dtype: o.Dtype = DEFAULT_DTYPE,
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object.")] = False,
 ) -> None:
-    """Measure cold prefills and restores of the same KV at a few lengths, and keep the result.
+    """Measure, per machine, model and dtype, what a prefill and a restore of the same KV cost, and keep it.
 
     `--reuse auto` (the default of run and chat) loads a stored prefix only where loading is predicted faster
-    than recomputing it. It measures once per machine, model and device on first use; this measures again
-    (after a driver, library or hardware change).
+    than recomputing it. It measures once per machine, model and dtype (on each device) when a decision first
+    needs it; this measures again (after a driver, library or hardware change).
     """
     from types import SimpleNamespace
 

@@ -26,6 +26,8 @@ from kvsnap_cli.chat_input import Command, InterruptGate, Message, read_entry
 from kvsnap_cli.chat_keeping import Keeping
 from kvsnap_cli.common import guarded, open_session
 
+# How long the prompt waits for an autosave to finish so its line comes first.
+SAVE_NOTE_WAIT_S = 1.0
 HELP = """commands:
   /save [FILE]   save now (default: the autosave file); refuses to replace a file this chat does not continue
   /save! [FILE]  save now, replacing the file whatever it holds
@@ -41,35 +43,43 @@ input: one message per line; in a terminal, a line holding only \"\"\" starts an
 @o.session_options(CHAT_SAMPLING, model_defaults=True)
 def chat(
     resume: Annotated[
-        Path | None, typer.Option(help="Resume this snapshot (started fresh if it does not exist).")
+        Path | None,
+        typer.Option(metavar="FILE", help="Resume this snapshot (a new one if missing).", rich_help_panel=o.SNAPSHOT),
     ] = None,
     save: Annotated[
-        Path | None, typer.Option(help="Autosave here after every turn (default: the --resume file).")
+        Path | None,
+        typer.Option(metavar="FILE", help="Autosave here (default: the --resume file).", rich_help_panel=o.SNAPSHOT),
     ] = None,
     force: Annotated[
         bool,
         typer.Option(
             "--force",
             metavar="",
-            help="Let the autosave replace its file even if it holds a conversation this chat does not continue.",
+            help="Let the autosave replace another conversation.",
+            rich_help_panel=o.SNAPSHOT,
         ),
     ] = False,
     on_mismatch: Annotated[
         str,
         typer.Option(
+            metavar="HOW",
             help="If the --resume snapshot is refused: ask (error when not a terminal), error, recompute. If its KV "
-            "fails the --verify check, ask and recompute keep the conversation and compute its KV again."
+            "fails the --verify check, ask and recompute keep the conversation and compute its KV again.",
+            rich_help_panel=o.ADVANCED,
+            hidden=True,
         ),
     ] = "ask",
-    system: Annotated[str | None, typer.Option(help="System message for a new conversation.")] = None,
+    system: Annotated[
+        str | None,
+        typer.Option(metavar="TEXT", help="System message of a new conversation.", rich_help_panel=o.GENERATION),
+    ] = None,
     *,
     opts: o.SessionOptions,
 ) -> None:
     """Chat with a local model; the conversation's KV cache is saved after every turn and resumed for free.
 
-    Reads one message per line. When stdin is not a terminal (a pipe or a file), each line is a user
-    message and /exit or end of input ends the chat. With --store and --store-session NAME the chat is
-    recorded in the block store under NAME after every turn, and the next chat with that name resumes it.
+    One message per line, from a terminal or a pipe; /exit or end of input ends the chat, /help lists the
+    commands. --help-all shows every option.
     """
     from kvsnap.config import ON_MISMATCH, check_choice
     from kvsnap.engine.background_save import BackgroundSaver
@@ -142,8 +152,16 @@ def _loop(session, params, keeping: Keeping, interactive: bool, system: str | No
 
 def _step(session, params, keeping: Keeping, interactive: bool, system: str | None, gate: InterruptGate) -> bool:
     """Read one message or command and act on it; returns False to quit."""
-    if keeping.saver.done():  # the autosave finished while the answer was read: say how it went now
-        _settle(keeping, gate)
+    # The autosave usually takes a fraction of a second: its line is printed before the next prompt, not
+    # under the message typed next. A slower one is reported once it is done, the prompt does not wait.
+    # Ctrl-C meanwhile is held, as in any wait for the save (an interrupted join could lose its result).
+    if keeping.saver.in_flight:
+        with gate.holding():
+            done = keeping.saver.finished_within(SAVE_NOTE_WAIT_S)
+        if done:
+            _settle(keeping, gate, held=gate.held)
+        elif gate.held:  # a Ctrl-C at the prompt, as below
+            ui.note("(/exit or Ctrl-D to quit)")
     try:
         entry = read_entry(input, interactive)
     except EOFError:
@@ -322,10 +340,10 @@ def _save_failed(exc: Exception) -> None:
     ui.error(f"{exc} (the conversation is kept; /save FILE to save elsewhere)")
 
 
-def _settle(keeping: Keeping, gate: InterruptGate) -> bool:
+def _settle(keeping: Keeping, gate: InterruptGate, held: bool = False) -> bool:
     """Wait for the autosave in flight, if any, with Ctrl-C held (the turn on screen must not be lost),
     and say how it went: a failure is one error line, and the previous file is unchanged. Returns True
-    when a Ctrl-C was held meanwhile."""
+    when a Ctrl-C was held meanwhile (``held``: one was held in an earlier wait for this save)."""
     from kvsnap.errors import KvsnapError
 
     if not keeping.saver.in_flight:
@@ -339,9 +357,10 @@ def _settle(keeping: Keeping, gate: InterruptGate) -> bool:
     if saved is not None:
         keeping.saving_to.saved(saved.held.tokens, saved.held.messages, stamp=saved.stamp)
         ui.note(ui.save_line(saved.stats))
-    if gate.held:
+    held = held or gate.held
+    if held:
         ui.note("(Ctrl-C was held until the turn was saved)")
-    return gate.held
+    return held
 
 
 def _ask(question: str, choices: str, default: str) -> str:

@@ -40,9 +40,13 @@ def stats(session, keeping: Keeping) -> None:
     turns = sum(1 for m in (session.messages or []) if m["role"] == "user")
     shown = sum(1 for m in (session.view_messages or []) if m["role"] == "user")
     hidden = f", {turns - shown:,} out of the model's view" if shown < turns else ""
+    # Counted as a save counts them: the answer's last sampled token has no KV yet (the next turn runs it).
+    held = len(session.tokens)
+    pending = session.num_tokens - held
+    waiting = f" + {ui.plural(pending, 'answer token')} the next message runs first" if pending else ""
     ui.note(
-        f"{session.num_tokens:,} tokens in the session ({ui.plural(turns, 'turn')}{hidden}), raw KV "
-        f"{ui.human_bytes(session.num_tokens * layout.bytes_per_token)}, model {session.lm.name} "
+        f"{held:,} tokens in the session ({ui.plural(turns, 'turn')}{hidden}){waiting}, raw KV "
+        f"{ui.human_bytes(held * layout.bytes_per_token)}, model {session.lm.name} "
         f"on {session.lm.device} ({layout.dtype}, {forward_kind(session.lm)}), "
         f"forward saw {session.runner.tokens_seen:,} tokens so far"
     )

@@ -41,7 +41,7 @@ def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def default_store() -> Path:
     """The block store a command uses when none is named: ``$KVSNAP_STORE``, else ``$KVSNAP_HOME/store``."""
-    from kvsnap.models.resolve import kvsnap_home
+    from kvsnap.models.catalog import kvsnap_home
 
     return Path(os.environ.get("KVSNAP_STORE") or kvsnap_home() / "store")
 

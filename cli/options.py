@@ -21,120 +21,191 @@ from kvsnap import config
 from kvsnap.config import SamplingParams
 from kvsnap.errors import ConfigError
 
+# --help groups options by what they are about; the rare ones (ADVANCED) are hidden from chat's and run's
+# --help, so it fits a screen, and shown by --help-all.
+MODEL, GENERATION, SNAPSHOT, STORE, OUTPUT = "Model", "Generation", "Snapshot", "Store", "Output"
+ADVANCED = "Advanced"
+
 MODEL_HELP = (
-    f"Model: {config.DEFAULT_MODEL} (default), a model folder, a .gguf file, or a hub id in the local HF cache."
+    f"Model: {config.DEFAULT_MODEL} (default), a folder, a .gguf file, or a hub name: org/name or org/name:FILE.gguf."
 )
 
-Model = Annotated[str, typer.Option("--model", "-m", help=MODEL_HELP)]
-MaxNewTokens = Annotated[int, typer.Option(min=0, help="Most tokens to generate; 0 only primes the cache.")]
-Temperature = Annotated[float, typer.Option(min=0.0, help="Sampling temperature; 0 means greedy.")]
-TopP = Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass (1 = off).")]
-TopK = Annotated[int, typer.Option(min=0, help="Sample among the k most likely tokens (0 = off).")]
-Seed = Annotated[int | None, typer.Option(help="Random seed for reproducible sampling.")]
-ChunkSize = Annotated[int, typer.Option(min=1, help="Prefill the uncached suffix in chunks of this many tokens.")]
+# Each description fits one line of an 80-column --help; docs/ says the rest.
+Model = Annotated[
+    str,
+    typer.Option(
+        "--model",
+        "-m",
+        metavar="NAME",
+        help=f"{config.DEFAULT_MODEL} (default), a folder, .gguf, org/name.",
+        show_default=False,
+        rich_help_panel=MODEL,
+    ),
+]
+
+
+def within(low: float, high: float | None = None) -> Callable[[Any], Any]:
+    """A range check that, unlike typer's ``min``/``max``, leaves the range out of --help's type column."""
+
+    def check(value: Any) -> Any:
+        if value is not None and (value < low or (high is not None and value > high)):
+            bound = f"between {low:g} and {high:g}" if high is not None else f"at least {low:g}"
+            raise typer.BadParameter(f"{value} is not {bound}")
+        return value
+
+    return check
+
+
+MaxNewTokens = Annotated[
+    int,
+    typer.Option(callback=within(0), metavar="N", help="Most new tokens, 0: only prime.", rich_help_panel=GENERATION),
+]
+Temperature = Annotated[
+    float,
+    typer.Option(callback=within(0), metavar="T", help="0 is greedy.", rich_help_panel=GENERATION),
+]
+TopP = Annotated[float, typer.Option(callback=within(0, 1), metavar="P", help="1 is off.", rich_help_panel=GENERATION)]
+TopK = Annotated[
+    int,
+    typer.Option(callback=within(0), metavar="K", help="0 is off.", rich_help_panel=GENERATION),
+]
+Seed = Annotated[int | None, typer.Option(metavar="N", help="Random seed for sampling.", rich_help_panel=GENERATION)]
+ChunkSize = Annotated[
+    int,
+    typer.Option(
+        callback=within(1),
+        metavar="N",
+        help="Prefill what is not reused in chunks of N tokens.",
+        rich_help_panel=ADVANCED,
+    ),
+]
 CtxSize = Annotated[
     int | None,
     typer.Option(
-        min=1,
-        help="Most tokens a session holds, prompt and answer (default: the model's context). A longer prompt "
-        "is refused and generation stops there; chat, serve and run --batch reserve that much KV memory "
-        "up front on the CPU.",
+        callback=within(1),
+        metavar="N",
+        help="Most tokens a session holds, prompt and answer (default: the model's context); chat, serve and "
+        "run --batch reserve that much KV memory up front.",
+        rich_help_panel=ADVANCED,
     ),
 ]
-Device = Annotated[str, typer.Option(help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.")]
+Device = Annotated[
+    str,
+    typer.Option(
+        metavar="DEV", help="auto (default), cpu, cuda, cuda:N or mps.", show_default=False, rich_help_panel=MODEL
+    ),
+]
 Dtype = Annotated[
     str,
     typer.Option(
-        help="auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16 or float16. On a CPU with AMX or "
-        "AVX512-BF16, bfloat16 resumes and decodes faster (docs/benchmarks.md); its snapshots are another "
-        "model's KV (a float32 session refuses them)."
+        metavar="TYPE",
+        help="auto (default), float32, bfloat16 or float16.",
+        show_default=False,
+        rich_help_panel=MODEL,
     ),
 ]
-BlockSize = Annotated[int, typer.Option(min=1, help="Tokens per snapshot block (the unit of hashing and storage).")]
+BlockSize = Annotated[
+    int,
+    typer.Option(
+        callback=within(1),
+        metavar="N",
+        help="Tokens per block (the unit of hashing and storage).",
+        rich_help_panel=ADVANCED,
+    ),
+]
 Codec = Annotated[
     str,
     typer.Option(
-        help="Snapshot codec: shuffle-zstd (default, lossless), zstd, raw, or int8-zstd (lossy, about a quarter "
-        "of the raw size; named in the file)."
+        metavar="NAME",
+        help="Snapshot codec: shuffle-zstd (lossless), zstd, raw, or int8-zstd (lossy, named in the file).",
+        rich_help_panel=ADVANCED,
     ),
 ]
 Reuse = Annotated[
     str,
     typer.Option(
-        help="A stored prefix (--resume, --store): load it, recompute it, or auto: load only where loading is "
-        "measured faster on this machine (calibrated once; `kvsnap calibrate` measures again).",
+        metavar="HOW",
+        help="A stored prefix: load, recompute, or auto: load where measured faster (per machine, model and "
+        "dtype; `kvsnap calibrate` measures again).",
+        rich_help_panel=ADVANCED,
     ),
 ]
 Verify = Annotated[
     bool | None,
     typer.Option(
         "--verify/--no-verify",
-        help="After a restore, recompute the last restored block and compare its K/V and next-token logits "
-        "with the restored ones; beyond the dtype's tolerance the reuse is refused (--on-mismatch). "
-        "Default: only when the versions or device that made the KV differ from these (one block's prefill).",
+        help="After a restore, recompute the last restored block and compare; past the dtype's tolerance the "
+        "reuse is refused (--on-mismatch). Default: when other versions or another device made the KV.",
         show_default=False,
+        rich_help_panel=ADVANCED,
     ),
 ]
 Explain = Annotated[
     bool,
-    typer.Option(
-        "--explain",
-        metavar="",
-        help="Say where reuse stopped and why (the JSON ledger's `miss`): the first differing token, the text "
-        "around it, and a likely cause (system message, chat template, tokenization, model, namespace).",
-    ),
+    typer.Option("--explain", metavar="", help="Say where reuse stopped, and why.", rich_help_panel=OUTPUT),
+]
+Stop = Annotated[
+    list[str] | None,
+    typer.Option("--stop", metavar="TEXT", help="Stop at this text (repeatable).", rich_help_panel=GENERATION),
+]
+Resume = Annotated[
+    Path | None, typer.Option(metavar="FILE", help="Snapshot to reuse as the prefix cache.", rich_help_panel=SNAPSHOT)
 ]
 Exact = Annotated[
     bool,
     typer.Option(
         "--exact",
         metavar="",
-        help="A batch-invariant prefill: a token's KV does not depend on how the prompt was cut into chunks, "
-        "so a resumed run answers exactly as a cold one in bfloat16 too (float32 needs no flag for greedy "
-        "answers). Slower prefill and decode (benchmarks/exact.py); a snapshot made without it resumes as "
-        "another model's rounding.",
+        help="A batch-invariant forward: a resumed run answers exactly as a cold one in bfloat16 too (slower).",
+        rich_help_panel=ADVANCED,
     ),
 ]
-Stop = Annotated[list[str] | None, typer.Option("--stop", help="Stop generating at this string (repeatable).")]
-Resume = Annotated[Path | None, typer.Option(help="Snapshot (.kv) to reuse as the prefix cache.")]
 ResumeIfExists = Annotated[
     bool,
     typer.Option(
-        "--resume-if-exists",
-        metavar="",
-        help="A missing --resume file (or a batch job's) means a cold run with a note, not an error, as in "
-        "chat: scripts can resume and save the same file from the first run on.",
+        "--resume-if-exists", metavar="", help="A missing --resume file: a cold run.", rich_help_panel=SNAPSHOT
     ),
 ]
-Save = Annotated[Path | None, typer.Option(help="Write the session to this .kv file after the run.")]
-Json = Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object (one line per job in a batch).")]
+Save = Annotated[
+    Path | None, typer.Option(metavar="FILE", help="Save the session here after the run.", rich_help_panel=SNAPSHOT)
+]
+Json = Annotated[
+    bool,
+    typer.Option("--json", metavar="", help="Print one JSON object (a line per job).", rich_help_panel=OUTPUT),
+]
 Namespace = Annotated[
     str,
     typer.Option(
-        help="Salt for the block hash chain: snapshots made under another namespace never match. "
-        "Use one per user on shared machines (a hit is faster than a miss, so shared blocks leak what others asked)."
+        metavar="TEXT",
+        help="Salt for the hash chain; snapshots of another never match. One per user on shared machines (a hit "
+        "is faster than a miss, so shared blocks leak what others asked).",
+        rich_help_panel=ADVANCED,
     ),
 ]
 Store = Annotated[
     Path | None,
     typer.Option(
         envvar="KVSNAP_STORE",
-        help="Block store folder shared by runs and chats: the longest prefix found there is reused, "
-        "and new blocks are added after each request (env KVSNAP_STORE).",
+        show_envvar=False,
+        metavar="DIR",
+        help="Block store to use (env KVSNAP_STORE).",
+        rich_help_panel=STORE,
     ),
 ]
 StoreBudget = Annotated[
-    str | None, typer.Option(help="Disk budget for --store (200MB, 2GB or bytes); least recently used leaves go first.")
+    str | None,
+    typer.Option(metavar="SIZE", help="Disk budget for the store (200MB, 2GB).", rich_help_panel=STORE),
 ]
 StoreSession = Annotated[
     str | None,
-    typer.Option(help="With --store: record the session under this name (for kvsnap store pin/export)."),
+    typer.Option(metavar="NAME", help="Record the session in the store as NAME.", rich_help_panel=STORE),
 ]
 KvDtype = Annotated[
     str | None,
     typer.Option(
-        help="Store the KV in .kv files as float16 or bfloat16 (half the bytes of a float32 cache; lossy, "
-        "named in the file, never the default)."
+        metavar="TYPE",
+        help="Store the KV in .kv files as float16 or bfloat16 (lossy, named in the file).",
+        rich_help_panel=ADVANCED,
     ),
 ]
 
@@ -194,11 +265,52 @@ class SessionOptions:
         return cfg.check(with_store=self.store is not None)
 
 
+def _help_all(ctx: typer.Context, value: bool) -> None:
+    """--help-all: the help with the ADVANCED options shown too."""
+    if not value or ctx.resilient_parsing:
+        return
+    for param in ctx.command.params:
+        param.hidden = False
+    typer.echo(ctx.get_help(), nl=False)
+    raise typer.Exit()
+
+
+HelpAll = Annotated[
+    bool,
+    typer.Option(
+        "--help-all", metavar="", is_eager=True, callback=_help_all, help="Show every option, the advanced ones too."
+    ),
+]
+PANELS = ("Input", MODEL, GENERATION, SNAPSHOT, STORE, OUTPUT, ADVANCED)
+
+
+def _panel(annotation: Any) -> str | None:
+    info = annotation.__metadata__[0] if hasattr(annotation, "__metadata__") else None
+    return getattr(info, "rich_help_panel", None)
+
+
+def _folded(flag: Any) -> Any:
+    """``flag`` hidden from --help when it belongs to the ADVANCED panel (--help-all shows it)."""
+    if _panel(flag) != ADVANCED:
+        return flag
+    info = copy.copy(flag.__metadata__[0])
+    info.hidden = True
+    return Annotated[flag.__origin__, info]
+
+
+def _default_said(flag: Any, default: Any) -> Any:
+    """``flag`` with its (per command) default in its one line of help instead of on a line of its own."""
+    info = copy.copy(flag.__metadata__[0])
+    info.help = f"{info.help[:-1]} (default {default})."
+    info.show_default = False
+    return Annotated[flag.__origin__, info]
+
+
 def _model_default(flag: Any, fallback: float) -> Any:
     """``flag`` made optional: unset means the model's generation_config.json value, else ``fallback``."""
     base, info = flag.__origin__, flag.__metadata__[0]
     info = copy.copy(info)
-    info.help = f"{info.help} Default: the model's generation_config.json, else {fallback:g}."
+    info.help = f"{info.help[:-1]} (default: the model's, else {fallback:g})."
     return Annotated[base | None, info]
 
 
@@ -209,31 +321,31 @@ def _shared(sampling: SamplingParams, model_defaults: bool) -> list[tuple[str, A
         top_p = ("top_p", _model_default(TopP, sampling.top_p), None)
         top_k = ("top_k", _model_default(TopK, sampling.top_k), None)
     else:
-        temperature = ("temperature", Temperature, sampling.temperature)
-        top_p = ("top_p", TopP, sampling.top_p)
-        top_k = ("top_k", TopK, sampling.top_k)
+        temperature = ("temperature", _default_said(Temperature, f"{sampling.temperature:g}"), sampling.temperature)
+        top_p = ("top_p", _default_said(TopP, f"{sampling.top_p:g}"), sampling.top_p)
+        top_k = ("top_k", _default_said(TopK, sampling.top_k), sampling.top_k)
     return [
         ("model", Model, config.DEFAULT_MODEL),
-        ("max_new_tokens", MaxNewTokens, sampling.max_new_tokens),
+        ("device", Device, config.DEFAULT_DEVICE),
+        ("dtype", Dtype, config.DEFAULT_DTYPE),
+        ("max_new_tokens", _default_said(MaxNewTokens, sampling.max_new_tokens), sampling.max_new_tokens),
         temperature,
         top_p,
         top_k,
         ("seed", Seed, None),
+        ("store", Store, None),
+        ("store_session", StoreSession, None),
+        ("store_budget", StoreBudget, None),
+        ("explain", Explain, False),
+        ("verify", Verify, None),
+        ("reuse", Reuse, "auto"),
         ("chunk_size", ChunkSize, config.DEFAULT_CHUNK_SIZE),
         ("ctx_size", CtxSize, None),
         ("namespace", Namespace, ""),
-        ("store", Store, None),
-        ("store_budget", StoreBudget, None),
-        ("store_session", StoreSession, None),
-        ("verify", Verify, None),
-        ("explain", Explain, False),
         ("exact", Exact, False),
         ("block_size", BlockSize, config.DEFAULT_BLOCK_SIZE),
         ("codec", Codec, config.DEFAULT_CODEC),
         ("kv_dtype", KvDtype, None),
-        ("reuse", Reuse, "auto"),
-        ("device", Device, config.DEFAULT_DEVICE),
-        ("dtype", Dtype, config.DEFAULT_DTYPE),
     ]
 
 
@@ -250,16 +362,22 @@ def session_options(
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         sig = inspect.signature(fn, eval_str=True)
         own = [p for p in sig.parameters.values() if p.name != "opts"]
-        added = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=a, default=d) for n, a, d in shared]
+        added = [
+            inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=_folded(a), default=d) for n, a, d in shared
+        ]
 
         @functools.wraps(fn)
         def wrapper(**kwargs: Any) -> Any:
+            kwargs.pop("help_all", None)
             opts = SessionOptions(**{name: kwargs.pop(name) for name in names}, defaults=sampling)
             return fn(**kwargs, opts=opts)
 
         own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
-        wrapper.__signature__ = sig.replace(parameters=own + added)  # type: ignore[attr-defined]
-        wrapper.__annotations__ = {p.name: p.annotation for p in own + added}
+        # --help shows the panels in the order their first option comes: by PANELS, whoever declares them.
+        ranked = sorted(own + added, key=lambda p: PANELS.index(_panel(p.annotation) or ADVANCED))
+        ranked.append(inspect.Parameter("help_all", inspect.Parameter.KEYWORD_ONLY, annotation=HelpAll, default=False))
+        wrapper.__signature__ = sig.replace(parameters=ranked)  # type: ignore[attr-defined]
+        wrapper.__annotations__ = {p.name: p.annotation for p in ranked}
         del wrapper.__wrapped__  # typer must read the new signature, not the command's own
         return wrapper
 

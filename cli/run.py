@@ -13,28 +13,40 @@ from kvsnap_cli import options as o
 from kvsnap_cli import startup, ui
 from kvsnap_cli.common import guarded, open_session
 
+INPUT = "Input"
+
 
 @guarded
 @o.session_options(RUN_SAMPLING)
 def run(
-    prompt: Annotated[str | None, typer.Option(help="The prompt text (raw, no chat template unless --chat).")] = None,
+    prompt: Annotated[
+        str | None, typer.Option(metavar="TEXT", help="The prompt (raw text unless --chat).", rich_help_panel=INPUT)
+    ] = None,
     prompt_file: Annotated[
-        Path | None, typer.Option(help="Read the prompt from a file; with --prompt, the file's text comes first.")
+        Path | None,
+        typer.Option(metavar="FILE", help="Read the prompt from a file (before --prompt).", rich_help_panel=INPUT),
     ] = None,
     chat: Annotated[
-        bool, typer.Option("--chat", metavar="", help="Wrap the prompt as a user message in the chat template.")
+        bool,
+        typer.Option("--chat", metavar="", help="Wrap the prompt in the chat template.", rich_help_panel=INPUT),
     ] = False,
-    system: Annotated[str | None, typer.Option(help="System message (with --chat).")] = None,
+    system: Annotated[
+        str | None, typer.Option(metavar="TEXT", help="System message (with --chat).", rich_help_panel=INPUT)
+    ] = None,
     batch: Annotated[
-        Path | None, typer.Option(help="JSONL jobs, one per line; '-' reads stdin. Results: one JSON line each.")
+        Path | None,
+        typer.Option(metavar="FILE", help="JSONL jobs, one per line ('-': stdin).", rich_help_panel=INPUT),
     ] = None,
     resume: o.Resume = None,
     resume_if_exists: o.ResumeIfExists = False,
     on_mismatch: Annotated[
         str,
         typer.Option(
+            metavar="HOW",
             help="When --resume's snapshot is refused, or reused KV fails the --verify check: error (default) "
-            "or recompute from scratch."
+            "or recompute from scratch.",
+            rich_help_panel=o.ADVANCED,
+            hidden=True,
         ),
     ] = "error",
     save: o.Save = None,
@@ -49,7 +61,8 @@ def run(
 
       kvsnap run --prompt-file doc.txt --max-new-tokens 0 --save doc.kv
 
-      kvsnap run --prompt-file doc.txt --prompt "Q: who wrote it? A:" --resume doc.kv --json
+      kvsnap run --prompt-file doc.txt --prompt $'\\nQ: Who wrote it?\\nA:' \\
+          --resume doc.kv --stop $'\\n'
 
     The prompt is raw text: special-token text in it (<|im_end|>) is the control token. With --chat,
     --system or a job's "messages", special-token text is kept as plain text.

@@ -1,45 +1,37 @@
 """``kvsnap store``: look after a block store (kvsnap/store.py) from the shell. No model, no torch.
 
 Every command but ``import`` opens the store with ``create=False``, so a mistyped DIR is an error
-rather than a new, empty store. Reports go to stdout (one JSON object with ``--json``), errors to
-stderr as one line with exit code 1 (``guarded``).
+rather than a new, empty store. DIR is optional: the one store setting (``cli/store_args.py``).
+Reports go to stdout (one JSON object with ``--json``), errors to stderr as one line with exit code 1
+(``guarded``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from kvsnap_cli import store_explain, store_ui, ui
+from kvsnap_cli import store_explain, store_interchange, store_ui, ui
 from kvsnap_cli.common import guarded
+from kvsnap_cli.store_args import Dir, Json, args, open_store, split, store_dir
 
 if TYPE_CHECKING:
     from kvsnap.models.locate import LightTokenizer
-    from kvsnap.store import BlockStore
 
 app = typer.Typer(
     help=(
         "Look after a block store: a folder of KV blocks shared by many sessions, each block stored once, "
         "kept under a budget by evicting least recently used leaves (never a shared prefix still in use, "
-        "never a pinned session's blocks)."
+        "never a pinned session's blocks). DIR defaults to $KVSNAP_STORE, else $KVSNAP_HOME/store: the store "
+        "serve uses, and run and chat use when KVSNAP_STORE is set."
     ),
     no_args_is_help=True,
 )
 
-Dir = Annotated[Path, typer.Argument(metavar="DIR", help="The block store folder.", show_default=False)]
-Json = Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object.")]
-Name = Annotated[
-    str, typer.Argument(metavar="NAME", help="A session's name in the store (see `kvsnap store sessions`).")
-]
-
-
-def _open(path: Path, *, create: bool = False) -> BlockStore:
-    from kvsnap.store import BlockStore
-
-    return BlockStore(path, create=create)
+NameArgs = args("NAME", "NAME: a session's name in the store (see `kvsnap store sessions`).")
+SizeArgs = args("SIZE|none", "SIZE: the new budget (200MB, 2GB, 1.5GiB, a byte count, or `none` for no limit).")
 
 
 # -- stats and sessions -------------------------------------------------------------------------
@@ -47,9 +39,9 @@ def _open(path: Path, *, create: bool = False) -> BlockStore:
 
 @app.command("stats")
 @guarded
-def stats(store_dir: Dir, json_out: Json = False) -> None:
+def stats(given_dir: Dir = None, json_out: Json = False) -> None:
     """Counts of a store: blocks, bytes (stored and raw), budget, sessions, pins, lookups, hits and evictions."""
-    info = _open(store_dir).stats()
+    info = open_store(store_dir(given_dir)).stats()
     if json_out:
         ui.print_json(info)
         return
@@ -58,9 +50,9 @@ def stats(store_dir: Dir, json_out: Json = False) -> None:
 
 @app.command("sessions")
 @guarded
-def sessions(store_dir: Dir, json_out: Json = False) -> None:
+def sessions(given_dir: Dir = None, json_out: Json = False) -> None:
     """List the named sessions: tokens, blocks still stored, pinned, chat turns."""
-    index = _open(store_dir).read_index()
+    index = open_store(store_dir(given_dir)).read_index()
     rows = []
     for s in sorted(index.sessions.values(), key=lambda s: s.name):
         rows.append(
@@ -86,7 +78,7 @@ def sessions(store_dir: Dir, json_out: Json = False) -> None:
 @app.command("tree")
 @guarded
 def tree(
-    store_dir: Dir,
+    given_dir: Dir = None,
     depth: Annotated[
         int | None, typer.Option(min=1, help="Show this many levels below each chain root (default: all).")
     ] = None,
@@ -100,13 +92,14 @@ def tree(
     """
     from kvsnap.models.locate import find_tokenizer
 
-    view = _open(store_dir).tree()
+    path = store_dir(given_dir)
+    view = open_store(path).tree()
     tokenizers = {r["model"]: find_tokenizer(r["model"]) for r in view["roots"]}
     roots = [{**r, "children": _annotate(r["children"], tokenizers[r["model"]], depth, 1)} for r in view["roots"]]
     if json_out:
-        ui.print_json({"path": str(store_dir), "clock": view["clock"], "roots": roots})
+        ui.print_json({"path": str(path), "clock": view["clock"], "roots": roots})
         return
-    store_ui.print_store_tree(store_dir, view["clock"], roots)
+    store_ui.print_store_tree(path, view["clock"], roots)
 
 
 def _annotate(nodes: list[dict[str, Any]], tok: LightTokenizer | None, depth: int | None, level: int) -> list:
@@ -140,7 +133,7 @@ app.command("explain")(store_explain.explain)
 
 @app.command("gc")
 @guarded
-def gc(store_dir: Dir, json_out: Json = False) -> None:
+def gc(given_dir: Dir = None, json_out: Json = False) -> None:
     """Tidy the store, and report what went.
 
     Removes crash leftovers and block files the index does not name, drops blocks a run could not use
@@ -150,7 +143,7 @@ def gc(store_dir: Dir, json_out: Json = False) -> None:
     Deletes only files kvsnap writes: anything else in the folder is listed, never deleted. Refused while the
     index is missing or unreadable: `kvsnap store check --repair DIR` rebuilds it first.
     """
-    store = _open(store_dir)
+    store = open_store(store_dir(given_dir))
     report = dataclasses.asdict(store.gc())
     after = store.stats()
     info = {**report, "unknown": list(report["unknown"]), "blocks": after["blocks"], "bytes": after["bytes"]}
@@ -175,7 +168,7 @@ def _left_alone(unknown: list[str] | tuple[str, ...]) -> None:
 @app.command("check")
 @guarded
 def check(
-    store_dir: Dir,
+    given_dir: Dir = None,
     repair: Annotated[
         bool,
         typer.Option(
@@ -191,8 +184,9 @@ def check(
     Exits 1 when it finds a problem. `kvsnap store gc DIR` drops what cannot be used; `--repair` rebuilds a
     lost or damaged index from the block files (sessions, pins and the budget live only in the index).
     """
-    store = _open(store_dir)
-    info: dict[str, Any] = {"path": str(store_dir)}
+    path = store_dir(given_dir)
+    store = open_store(path)
+    info: dict[str, Any] = {"path": str(path)}
     if repair:
         report = dataclasses.asdict(store.repair())
         info["repair"] = {**report, "unproven": list(report["unproven"]), "unknown": list(report["unknown"])}
@@ -205,15 +199,14 @@ def check(
     elif not problems:
         stats = store.stats()
         ui.say(
-            f"{store_dir}: sound ({ui.plural(stats['blocks'], 'block')} verified, "
-            f"{ui.plural(stats['sessions'], 'session')})"
+            f"{path}: sound ({ui.plural(stats['blocks'], 'block')} verified, {ui.plural(stats['sessions'], 'session')})"
         )
     else:
         for p in problems:
             ui.say(f"- {p}")
     if problems:
         ui.error(
-            f"{store_dir}: {ui.plural(len(problems), 'problem')} found (kvsnap store gc drops what cannot be used; "
+            f"{path}: {ui.plural(len(problems), 'problem')} found (kvsnap store gc drops what cannot be used; "
             "kvsnap store check --repair rebuilds a lost or damaged index)"
         )
         raise typer.Exit(1)
@@ -236,23 +229,13 @@ def _say_repair(report: dict[str, Any]) -> None:
 
 @app.command("budget")
 @guarded
-def budget(
-    store_dir: Dir,
-    size: Annotated[
-        str,
-        typer.Argument(
-            metavar="SIZE|none",
-            help="The new budget: 200MB, 2GB, 1.5GiB, a byte count, or `none` for no limit.",
-            show_default=False,
-        ),
-    ],
-    json_out: Json = False,
-) -> None:
+def budget(given: SizeArgs, json_out: Json = False) -> None:
     """Set the store's budget (kept in the store) and evict least recently used leaves at once to fit it."""
     from kvsnap_cli.options import parse_size
 
+    path, (size,) = split(given, "SIZE|none")
     budget_bytes = None if size.strip().lower() == "none" else parse_size(size)
-    store = _open(store_dir)
+    store = open_store(path)
     evicted = store.set_budget(budget_bytes)
     after = store.stats()
     info = {
@@ -282,9 +265,10 @@ def budget(
 
 @app.command("pin")
 @guarded
-def pin(store_dir: Dir, name: Name, json_out: Json = False) -> None:
+def pin(given: NameArgs, json_out: Json = False) -> None:
     """Keep a session's blocks from eviction, whatever the budget (pins are counted per block)."""
-    _open(store_dir).pin(name)
+    path, (name,) = split(given, "NAME")
+    open_store(path).pin(name)
     if json_out:
         ui.print_json({"session": name, "pinned": True})
     else:
@@ -293,9 +277,10 @@ def pin(store_dir: Dir, name: Name, json_out: Json = False) -> None:
 
 @app.command("unpin")
 @guarded
-def unpin(store_dir: Dir, name: Name, json_out: Json = False) -> None:
+def unpin(given: NameArgs, json_out: Json = False) -> None:
     """Let a session's blocks be evicted again; evicts to the budget at once and says what went."""
-    evicted = _open(store_dir).unpin(name)
+    path, (name,) = split(given, "NAME")
+    evicted = open_store(path).unpin(name)
     if json_out:
         ui.print_json({"session": name, "pinned": False, "evicted": len(evicted)})
     else:
@@ -304,90 +289,17 @@ def unpin(store_dir: Dir, name: Name, json_out: Json = False) -> None:
 
 @app.command("rm")
 @guarded
-def rm(store_dir: Dir, name: Name, json_out: Json = False) -> None:
+def rm(given: NameArgs, json_out: Json = False) -> None:
     """Forget a session. Its blocks stay as cache for later prompts until evicted."""
-    evicted = _open(store_dir).remove_session(name)
+    path, (name,) = split(given, "NAME")
+    evicted = open_store(path).remove_session(name)
     if json_out:
         ui.print_json({"session": name, "removed": True, "evicted": len(evicted)})
     else:
         ui.say(f"removed session {name!r} (its blocks stay as cache); evicted {ui.plural(len(evicted), 'block')}")
 
 
-# -- .kv interchange -----------------------------------------------------------------------------
+# -- .kv interchange (cli/store_interchange.py) -----------------------------------------------------
 
-
-@app.command("export")
-@guarded
-def export(
-    store_dir: Dir,
-    name: Name,
-    out: Annotated[
-        Path, typer.Argument(metavar="OUT.kv", help="The .kv snapshot to write (replaced atomically if it exists).")
-    ],
-    json_out: Json = False,
-) -> None:
-    """Write a stored session as a .kv snapshot, usable with --resume and `kvsnap inspect`."""
-    from kvsnap.store.interchange import session_export
-
-    export = session_export(_open(store_dir), name)
-    size = export.write(out)
-    info = {
-        "session": name,
-        "path": str(out),
-        "tokens": len(export.tokens),
-        "blocks": len(export.blocks),
-        "file_bytes": size,
-        "codec": export.codec,
-    }
-    if json_out:
-        ui.print_json(info)
-    else:
-        ui.say(
-            f"wrote session {name!r} to {out}: {ui.plural(info['tokens'], 'token')}, "
-            f"{ui.plural(info['blocks'], 'block')}, {ui.human_bytes(size)}"
-        )
-
-
-@app.command("import")
-@guarded
-def import_(
-    store_dir: Annotated[Path, typer.Argument(metavar="DIR", help="The block store folder (created if missing).")],
-    file: Annotated[Path, typer.Argument(metavar="FILE.kv", help="The .kv snapshot to add.")],
-    name: Annotated[str | None, typer.Option(help="Session name (default: the file name without .kv).")] = None,
-    pin_it: Annotated[
-        bool, typer.Option("--pin", metavar="", help="Pin the session: its blocks are kept from eviction.")
-    ] = False,
-    json_out: Json = False,
-) -> None:
-    """Add a .kv snapshot's blocks to the store (verified, stored once) and record it as a named session."""
-    from kvsnap.errors import KvsnapError
-    from kvsnap.store.folder import remove_new_store
-    from kvsnap.store.interchange import import_snapshot
-
-    session = name if name is not None else file.stem
-    existed = store_dir.exists()
-    new = not existed or (store_dir.is_dir() and not any(store_dir.iterdir()))
-    try:
-        result = import_snapshot(_open(store_dir, create=True), file, session, pin=True if pin_it else None)
-    except KvsnapError:
-        if new:
-            # Leave nothing behind of a store this import made for a file that could not be added.
-            remove_new_store(store_dir, keep_folder=existed)
-        raise
-    info = {
-        "session": session,
-        "path": str(file),
-        "stored_tokens": result.stored_tokens,
-        "blocks": len(result.hashes),
-        "new_blocks": result.new_blocks,
-        "reused_blocks": result.reused_blocks,
-        "evicted": len(result.evicted),
-    }
-    if json_out:
-        ui.print_json(info)
-    else:
-        ui.say(
-            f"imported {file} as session {session!r}: {ui.plural(result.stored_tokens, 'token')} stored, "
-            f"{ui.plural(result.new_blocks, 'new block')}, {result.reused_blocks:,} already stored; "
-            f"evicted {ui.plural(len(result.evicted), 'block')}"
-        )
+app.command("export")(store_interchange.export)
+app.command("import")(store_interchange.import_)

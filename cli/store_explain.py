@@ -11,14 +11,12 @@ import typer
 from kvsnap.config import DEFAULT_BLOCK_SIZE, DEFAULT_MODEL
 from kvsnap_cli import ui
 from kvsnap_cli.common import guarded
-
-Dir = Annotated[Path, typer.Argument(metavar="DIR", help="The block store folder.", show_default=False)]
-Json = Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object.")]
+from kvsnap_cli.store_args import Dir, Json, store_dir
 
 
 @guarded
 def explain(
-    store_dir: Dir,
+    given_dir: Dir = None,
     prompt: Annotated[str | None, typer.Option(help="The raw prompt text.")] = None,
     prompt_file: Annotated[Path | None, typer.Option(help="Read the prompt from a file (then --prompt).")] = None,
     model: Annotated[
@@ -56,13 +54,14 @@ def explain(
     ids = tokenizer.encode((read_prompt_file(str(prompt_file)) if prompt_file else "") + (prompt or ""))
     from kvsnap.store import BlockStore
 
-    index = BlockStore(store_dir, create=False).read_index()
+    path = store_dir(given_dir)
+    index = BlockStore(path, create=False).read_index()
     running = running_model(model, namespace, block_size)
     found = closest_stored(index, ids, running)
     miss = against_store(index, ids, tokenizer.decode, running, found)
     made_by = sorted({t for t in found.made_by if t}) if found is not None else []
     info = {
-        "path": str(store_dir),
+        "path": str(path),
         "prompt_tokens": len(ids),
         "matched_blocks": found.matched_blocks if found is not None else 0,
         "made_by": [provenance.parse(t) for t in made_by],
@@ -72,7 +71,7 @@ def explain(
         ui.print_json(info)
         return
     if miss is None:
-        ui.say(f"{store_dir}: the store holds no blocks")
+        ui.say(f"{path}: the store holds no blocks")
         return
     for line in ui.miss_lines(info["miss"]):
         ui.say(line)

@@ -261,6 +261,8 @@ def test_a_loop_is_stopped(llama, monkeypatch):
     assert is_looping([9] * 32)
     assert not is_looping(list(range(200)))
     assert not is_looping([1, 2, 3] * 5)  # too short to call a loop
+    sentence = list(range(100, 115))  # a 15-token line written again and again
+    assert is_looping([1, 2] + sentence * 3) and not is_looping([1, 2] + sentence * 2)
     s = Session(llama, block_size=16)
     s.prefill([1, 2, 3, 4])
     tokens = itertools.cycle([11, 12, 13])

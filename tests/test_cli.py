@@ -241,6 +241,32 @@ def test_chat_slash_commands(model, tmp_path):
     assert "unknown command /bogus" in result.stderr
 
 
+def test_chat_stats_counts_the_tokens_a_save_holds(model, tmp_path):
+    result = _chat(model, tmp_path / "c.kv", "hi\n/stats\n")
+    assert result.returncode == 0, result.stderr
+    saved = int(re.search(r"saved (\d+) tokens to", result.stderr).group(1))
+    assert f"\n{saved} tokens in the session (1 turn) + 1 answer token the next message runs first" in result.stderr
+
+
+def test_chat_says_an_autosave_before_reading_the_next_message(model, tmp_path, monkeypatch):
+    """In a terminal the line of an autosave came under the message typed next; it comes before the prompt."""
+    import builtins
+
+    from kvsnap_cli import ui
+
+    events: list[str] = []
+    note, read = ui.note, builtins.input
+    monkeypatch.setattr(ui, "note", lambda message: (events.append(message), note(message)))
+    monkeypatch.setattr(builtins, "input", lambda prompt="": (events.append("<input>"), read(prompt))[1])
+    args = [*base(model), "--resume", str(tmp_path / "c.kv"), "--temperature", "0", "--max-new-tokens", "4"]
+    result = runner.invoke(app, ["chat", *args], input="hi\nagain\n")
+    assert result.exit_code == 0, result.output
+    reads = [i for i, e in enumerate(events) if e == "<input>"]
+    saves = [i for i, e in enumerate(events) if e.startswith("saved ")]
+    assert len(reads) == 3 and len(saves) == 2
+    assert reads[0] < saves[0] < reads[1] < saves[1] < reads[2]
+
+
 def test_chat_save_failure_keeps_the_chat_going(model, tmp_path):
     """Guards a crash: a /save into a missing folder raised a traceback and ended the conversation."""
     result = _chat(model, tmp_path / "c.kv", f"hi\n/save {tmp_path}/missing/x.kv\nstill here\n/stats\n")
@@ -287,3 +313,32 @@ def test_inspect_finds_the_tokenizer_of_a_model_named_by_a_relative_path(tiny_mo
     monkeypatch.chdir(tmp_path)  # "./llama" means nothing here; the recorded folder still does
     info = json.loads(invoke("inspect", str(snap), "--json", "--prompt", DOC).stdout)
     assert info["preview_start"] and info["hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("command", ["chat", "run"])
+def test_help_fits_a_screen_and_help_all_documents_every_option(command):
+    from typer.main import get_command
+
+    short = runner.invoke(app, [command, "--help"], env={"COLUMNS": "80"})
+    assert short.exit_code == 0, short.output
+    lines = short.output.splitlines()
+    assert len(lines) <= 60, short.output
+    wrapped = [line for line in lines if line.startswith("│") and not line[1:].lstrip().startswith(("-", "│"))]
+    assert wrapped == [], "every option's help is one line"
+    full = runner.invoke(app, [command, "--help-all"], env={"COLUMNS": "80"})
+    assert full.exit_code == 0, full.output
+    assert "Advanced" in full.output and "Advanced" not in short.output
+    options = [p for p in get_command(app).commands[command].params if p.param_type_name == "option"]
+    assert len(options) > 20
+    for option in options:
+        assert option.help, option.name
+        assert option.opts[0] in full.output, option.opts[0]
+
+
+def test_version_has_a_short_flag_and_the_shell_completes_commands():
+    assert invoke("-V").stdout == invoke("--version").stdout == f"kvsnap {__import__('kvsnap').__version__}\n"
+    env = {"_KVSNAP_COMPLETE": "complete_bash", "COMP_WORDS": "kvsnap mod", "COMP_CWORD": "1"}
+    completed = runner.invoke(app, [], env=env, prog_name="kvsnap")
+    assert completed.stdout.split() == ["models"]
+    shown = invoke("--show-completion", "bash")
+    assert shown.exit_code == 0 and "_KVSNAP_COMPLETE=complete_bash" in shown.stdout

@@ -77,7 +77,7 @@ def test_version_and_help():
         line = next(x for x in invoke(command, "--help").stdout.splitlines() if f" {flag} " in x)
         assert "<bool>" not in line
     chat_help = " ".join(invoke("chat", "--help").stdout.split())
-    assert "each line is a user message and /exit or end of input ends the chat" in chat_help
+    assert "One message per line, from a terminal or a pipe; /exit or end of input ends the chat" in chat_help
 
 
 def test_usage_errors_come_before_the_model_loads(tmp_path):

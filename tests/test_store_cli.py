@@ -320,3 +320,27 @@ def test_store_commands_do_not_import_torch(store, tmp_path):
     assert proc.returncode == 0, proc.stderr
     tree = json.loads(proc.stdout.splitlines()[0])
     assert tree["roots"][0]["children"][0]["text"] == SYSTEM  # the tokenizer path ran too
+
+
+def test_every_store_command_defaults_to_the_one_store_setting(store, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSNAP_STORE", str(store))
+    assert ok_json("stats")["sessions"] == 2
+    assert [s["name"] for s in ok_json("sessions")["sessions"]] == ["paris", "rome"]
+    assert ok_json("pin", "rome") == {"session": "rome", "pinned": True}
+    assert ok_json("budget", "none")["budget_bytes"] is None
+    assert ok_json("export", "rome", tmp_path / "r.kv")["tokens"] == 13
+    assert ok_json("import", tmp_path / "r.kv", "--name", "again")["reused_blocks"] == 4
+    assert ok_json("check")["ok"] and ok_json("tree")["path"] == str(store)
+    assert ok_json("rm", "again")["removed"] and ok_json("unpin", "rome")["pinned"] is False
+    assert ok_json("gc")["blocks"] == 5
+    # Without KVSNAP_STORE: $KVSNAP_HOME/store, which run, chat and serve use too.
+    monkeypatch.delenv("KVSNAP_STORE")
+    monkeypatch.setenv("KVSNAP_HOME", str(tmp_path / "home"))
+    assert f"{tmp_path / 'home' / 'store'}: no kvsnap block store here" in one_error_line(invoke("stats"))
+
+
+def test_a_store_command_given_too_many_or_too_few_arguments_is_a_usage_error(store):
+    for args in (["pin"], ["pin", store, "rome", "extra"], ["export", "rome"], ["budget"]):
+        result = invoke(*args)
+        assert result.exit_code == 2, args
+        assert "[DIR]" in result.output

@@ -76,6 +76,11 @@ class BackgroundSave:
     def done(self) -> bool:
         return not self._thread.is_alive()
 
+    def join(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for the file to be written; returns whether it is done."""
+        self._thread.join(timeout)
+        return self.done()
+
     def wait(self) -> Saved:
         """Block until the file is written; returns what was saved, or raises the save's error."""
         while self._thread.is_alive():
@@ -105,6 +110,10 @@ class BackgroundSaver:
     def done(self) -> bool:
         """A save was started, has finished, and waits to be collected: ``wait`` will not block."""
         return self._current is not None and self._current.done()
+
+    def finished_within(self, timeout: float) -> bool:
+        """Whether the save in flight is done, waiting at most ``timeout`` seconds for it (False: none)."""
+        return self._current is not None and self._current.join(timeout)
 
     def start(self, path: str | Path) -> BackgroundSave:
         if self._current is not None:

@@ -20,8 +20,8 @@ import torch
 
 from kvsnap import __version__
 from kvsnap.errors import KvsnapError
+from kvsnap.models.catalog import kvsnap_home
 from kvsnap.models.load import LoadedModel
-from kvsnap.models.resolve import kvsnap_home
 from kvsnap.paths import check_save_target, json_object
 from kvsnap.reuse import CostModel, ReuseDecision, decide
 

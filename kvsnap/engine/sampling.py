@@ -78,16 +78,22 @@ class TextStream:
         return delta
 
 
+# A sequence of this many tokens or more is a loop at its third copy: a sentence a model writes three times
+# running ("A: The peak day demand was July 23, 2025." again and again) is never meant.
+LONG_PERIOD = 8
+
+
 def is_looping(ids: Sequence[int], *, max_period: int = 32, min_span: int = 32, min_repeats: int = 4) -> bool:
     """Whether the last tokens repeat one short sequence over and over ("La USA, la USA, ..."): the
-    tail is ``period`` tokens repeated at least ``min_repeats`` times and ``min_span`` tokens long.
+    tail is ``period`` tokens repeated at least ``min_repeats`` times (3 from ``LONG_PERIOD`` tokens on)
+    and ``min_span`` tokens long.
 
     Small models fall into such loops at any temperature; without this check an answer runs to
     the token limit (a runaway the user had to stop with Ctrl-C).
     """
     n = len(ids)
     for period in range(1, max_period + 1):
-        span = max(min_span, period * min_repeats)
+        span = max(min_span, period * (min(min_repeats, 3) if period >= LONG_PERIOD else min_repeats))
         if span > n:
             break
         tail = ids[n - span :]

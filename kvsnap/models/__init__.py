@@ -1,6 +1,9 @@
 """Models: which folder a name means, what identifies its KV, and loading it.
 
-resolve          names to folders (default model, folder, .gguf, cached hub id); GGUF conversion
+resolve          names to folders: the default model, a folder, a .gguf file, a hub name
+hub              hub names downloaded with huggingface_hub (progress, resume, offline: the cache only)
+convert          GGUF files converted once, by content, into standard checkpoints
+catalog          what kvsnap keeps under $KVSNAP_HOME/models: listing, removing
 locate           a snapshot's model folder and tokenizer on this machine, without loading anything
 fingerprint      the digests that key every hash chain to one model
 load             device, dtype, weights and tokenizer -> ``LoadedModel`` (imports torch when called)

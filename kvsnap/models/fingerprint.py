@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from kvsnap.errors import ModelError
-from kvsnap.models.resolve import kvsnap_home
+from kvsnap.models import catalog
+from kvsnap.models.catalog import kvsnap_home
 from kvsnap.paths import open_regular, read_bounded
 
 _TOKENIZER_FILES = (
@@ -37,7 +38,7 @@ _VOLATILE_CONFIG = {
 }
 
 
-def _file_digest(path: Path) -> str:
+def file_digest(path: Path) -> str:
     h = hashlib.blake2b(digest_size=16)
     with open_regular(path, error=ModelError, what="model file") as f:  # a FIFO would hang the read
         while chunk := f.read(1 << 22):
@@ -52,23 +53,49 @@ def weights_digest(folder: Path) -> str:
     ``cp -p``, ``os.utime``), and a stale digest would let a snapshot of the old weights resume
     against the new ones. The key adds the inode and the ctime, which every write moves and no
     user can set back.
+
+    A folder kvsnap converted and later rewrote in the standard layout (``kvsnap.models.convert``)
+    keeps the digest its weights had as first written: its ready marker maps the new file's digest to
+    that one, so the same tensors keep one fingerprint and its snapshots still resume. The marker is
+    trusted only in kvsnap's own models folder; any other content hashes to itself.
     """
-    files = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".gguf"))
+    digest = raw_weights_digest(folder)
+    if catalog.is_conversion(folder):
+        recorded = catalog.marker(folder).get("weights_digest_of")
+        if isinstance(recorded, dict) and isinstance(recorded.get(digest), str):
+            return recorded[digest]
+    return digest
+
+
+def raw_weights_digest(folder: Path, *, cache: bool = True) -> str:
+    """The digest of the weight files' bytes as they are (``weights_digest`` before a marker's mapping)."""
+    files = weight_files(folder)
     if not files:
         raise ModelError(f"{folder}: no weight files")
     stamp = [[p.name, *file_stamp(p.stat())] for p in files]
     key = hashlib.blake2b(str(folder.resolve()).encode(), digest_size=8).hexdigest()
     cache_file = kvsnap_home() / "digests" / f"{key}.json"
     try:
-        cached = json.loads(cache_file.read_text())
+        cached = json.loads(cache_file.read_text()) if cache else {}
         if cached.get("stamp") == stamp:
             return cached["digest"]
     except (OSError, ValueError, AttributeError):
         pass
-    h = hashlib.blake2b(digest_size=16)
-    for p in files:
-        h.update(p.name.encode() + b"\0" + _file_digest(p).encode())
-    digest = h.hexdigest()
+    digest = files_digest(files)
+    if cache:
+        _remember(cache_file, stamp, digest)
+    return digest
+
+
+def remember_weights_digest(folder: Path, digest: str) -> None:
+    """Record ``digest`` as the raw digest of ``folder``'s weight files as they are now (one that was just
+    computed while writing them), so the next load does not hash them again."""
+    files = weight_files(folder)
+    key = hashlib.blake2b(str(folder.resolve()).encode(), digest_size=8).hexdigest()
+    _remember(kvsnap_home() / "digests" / f"{key}.json", [[p.name, *file_stamp(p.stat())] for p in files], digest)
+
+
+def _remember(cache_file: Path, stamp: list, digest: str) -> None:
     try:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
@@ -76,7 +103,18 @@ def weights_digest(folder: Path) -> str:
         os.replace(tmp, cache_file)
     except OSError:
         pass  # a read-only home only costs a re-hash next time
-    return digest
+
+
+def weight_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".gguf"))
+
+
+def files_digest(files: list[Path], names: list[str] | None = None) -> str:
+    """The digest of weight files by name and content (``names``: the names they will have, if not theirs)."""
+    h = hashlib.blake2b(digest_size=16)
+    for p, name in zip(files, names or [p.name for p in files]):
+        h.update(name.encode() + b"\0" + file_digest(p).encode())
+    return h.hexdigest()
 
 
 def file_stamp(st: os.stat_result) -> list[int]:
@@ -89,7 +127,7 @@ def tokenizer_digest(folder: Path) -> str:
     for name in _TOKENIZER_FILES:
         p = folder / name
         if p.is_file():
-            h.update(name.encode() + b"\0" + _file_digest(p).encode())
+            h.update(name.encode() + b"\0" + file_digest(p).encode())
     return h.hexdigest()
 
 

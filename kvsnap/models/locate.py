@@ -8,7 +8,7 @@ from pathlib import Path
 
 from kvsnap.config import DEFAULT_MODEL
 from kvsnap.errors import one_line
-from kvsnap.models.resolve import kvsnap_home
+from kvsnap.models.catalog import kvsnap_home
 
 NO_TOKENIZER_JSON = "tokenizer.json not found"
 

