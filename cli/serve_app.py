@@ -22,10 +22,11 @@ from typing import Any
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from kvsnap import limits
 from kvsnap.errors import ConfigError, KvsnapError
 from kvsnap.serve import protocol as p
 from kvsnap.serve.keys import ApiKeys
@@ -246,31 +247,52 @@ async def _watch_disconnect(receive: Any, cancel: threading.Event, scope: anyio.
     scope.cancel()
 
 
-async def read_body(request: Request) -> bytes:
-    """The request body, refused past ``MAX_BODY_BYTES`` without reading the rest into memory."""
-    too_big = p.ServeError(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB")
+def body_limit(service: Service) -> int:
+    """The largest body worth reading: ``MAX_BODY_BYTES``, or less where the context is small. JSON
+    spends at most 6 bytes (``\\u0001``) on a byte of text, so no prompt that could fit is refused."""
+    if service.text_limit is None:
+        return MAX_BODY_BYTES
+    return min(MAX_BODY_BYTES, 6 * service.text_limit + (1 << 20))
+
+
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The request body, refused past ``limit`` bytes without reading the rest into memory."""
+    too_big = p.ServeError(413, f"the request body is larger than {limits.size_text(limit)}")
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+    if declared.isdigit() and int(declared) > limit:
         raise too_big
     parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > MAX_BODY_BYTES:
-            raise too_big
-        parts.append(part)
+    try:
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise too_big
+            parts.append(part)
+    except ClientDisconnect:
+        raise p.ServeError(400, "the client left before its request body was read") from None
     return b"".join(parts)
 
 
 def build_app(state: ServerState) -> Starlette:
     service, keys, turns = state.service, state.keys, state.turns
 
+    max_body = body_limit(service)
+
     def namespace(request: Request) -> str:
         return keys.namespace_for(request.headers.get("authorization"))
 
+    def accept(body: bytes, kind: str) -> p.CompletionRequest:
+        req = p.parse_request(body, kind)
+        service.check_model(req.model)
+        service.check_size(req)
+        return req
+
     async def completions(request: Request, kind: str) -> Any:
         ns = namespace(request)
-        req = p.parse_request(await read_body(request), kind)
-        service.check_model(req.model)
+        body = await read_body(request, max_body)
+        # Off the event loop: the checks' work grows with the body (bounded, and mostly without the
+        # GIL, but never while /health waits).
+        req = await anyio.to_thread.run_sync(accept, body, kind)
         return JobResponse(state, req, ns, turns.reserve())
 
     async def chat(request: Request) -> Any:

@@ -1,0 +1,110 @@
+"""``kvsnap serve`` under clients that ask too much: a huge request.
+
+Real servers in subprocesses (``test_serve.Server``), every connection to 127.0.0.1, every load
+bounded in count and in time; each server is killed at the end of its test or module.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+
+import pytest
+from test_serve import Server, model  # noqa: F401  (model: the module's fixture)
+
+HEALTH_S = 0.5  # /health and /v1/models answer within this, whatever else the server is doing
+GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):  # noqa: F811
+    folder = tmp_path_factory.mktemp("serve-limits")
+    running = Server(folder / "server.log", model, folder / "store", "--max-queue", "2")
+    yield running
+    running.kill()
+
+
+def timed(server: Server, path: str) -> float:
+    started = time.monotonic()
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("GET", path)
+    response = conn.getresponse()
+    response.read()
+    conn.close()
+    assert response.status == 200
+    return time.monotonic() - started
+
+
+def busy_stream(server: Server, key: str = "unused"):
+    """A streamed answer that runs until closed (the tiny model never ends its turn)."""
+    stream = server.client(key).chat.completions.create(
+        model="tiny-endless",
+        messages=[{"role": "user", "content": "Tell me a long story."}],
+        max_tokens=3000,
+        temperature=0,
+        stream=True,
+    )
+    next(c for c in stream if c.choices and c.choices[0].delta.content)  # it is running
+    return stream
+
+
+def raw_post(port: int, body: bytes, out: dict, key: str) -> None:
+    """POST a body in 1 MiB pieces; ``out[key]``: (seconds, status or the error that ended it)."""
+    started = time.monotonic()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    try:
+        head = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode())
+        try:
+            for i in range(0, len(body), 1 << 20):
+                sock.sendall(body[i : i + (1 << 20)])
+        except OSError:
+            pass  # the server answered and closed before taking it all: read what it said
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            piece = sock.recv(65536)
+            if not piece:
+                break
+            reply += piece
+        status = int(reply.split()[1]) if reply.startswith(b"HTTP/1.1") else "closed"
+        out[key] = (time.monotonic() - started, status, reply)
+    except OSError as exc:
+        out[key] = (time.monotonic() - started, type(exc).__name__, b"")
+    finally:
+        sock.close()
+
+
+def test_a_huge_request_is_refused_at_once_while_health_answers(server):
+    stream = busy_stream(server)
+    try:
+        huge = json.dumps(
+            {"messages": [{"role": "user", "content": "lorem ipsum dolor " * ((31 << 20) // 18 + 1000)}]}
+        ).encode()
+        over = json.dumps({"messages": [{"role": "user", "content": "lorem ipsum dolor " * 20_000}]}).encode()
+        assert (31 << 20) <= len(huge) < (32 << 20)
+        out: dict = {}
+        posts = [
+            threading.Thread(target=raw_post, args=(server.port, b, out, k))
+            for k, b in (("huge", huge), ("over", over))
+        ]
+        for t in posts:
+            t.start()
+        latencies = []
+        deadline = time.monotonic() + 4
+        while time.monotonic() < deadline or any(t.is_alive() for t in posts):
+            latencies += [timed(server, "/health"), timed(server, "/v1/models")]
+            assert time.monotonic() < deadline + 20, "a huge request was not refused within 20 s"
+            time.sleep(0.05)
+        for t in posts:
+            t.join()
+    finally:
+        stream.close()
+    assert max(latencies) < HEALTH_S, max(latencies)
+    took, status, _ = out["huge"]
+    assert status in (413, "closed", "ConnectionResetError", "BrokenPipeError") and took < 10, out["huge"]
+    took, status, reply = out["over"]
+    assert status == 400 and b"context_length_exceeded" in reply and took < 10, out["over"]
+    assert server.request("POST", "/v1/chat/completions", GOOD)[0] == 200
