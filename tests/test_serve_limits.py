@@ -1,4 +1,5 @@
-"""``kvsnap serve`` under clients that ask too much: a huge request.
+"""``kvsnap serve`` under clients that ask too much: a huge request, hundreds of trickling
+connections.
 
 Real servers in subprocesses (``test_serve.Server``), every connection to 127.0.0.1, every load
 bounded in count and in time; each server is killed at the end of its test or module.
@@ -22,7 +23,7 @@ GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):  # noqa: F811
     folder = tmp_path_factory.mktemp("serve-limits")
-    running = Server(folder / "server.log", model, folder / "store", "--max-queue", "2")
+    running = Server(folder / "server.log", model, folder / "store", "--max-queue", "2", "--max-connections", "100")
     yield running
     running.kill()
 
@@ -108,3 +109,47 @@ def test_a_huge_request_is_refused_at_once_while_health_answers(server):
     took, status, reply = out["over"]
     assert status == 400 and b"context_length_exceeded" in reply and took < 10, out["over"]
     assert server.request("POST", "/v1/chat/completions", GOOD)[0] == 200
+
+
+def test_trickling_connections_are_closed_and_health_answers(server):
+    """300 connections each sending a header byte every half second, against a cap of 100 and a
+    10 s header deadline: the oldest make room for new ones, the rest are closed at the deadline."""
+    conns: list[socket.socket] = []
+    latencies = []
+    try:
+        for i in range(300):
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            s.sendall(b"G")
+            conns.append(s)
+            if i % 50 == 0:
+                latencies.append(timed(server, "/health"))
+        started = time.monotonic()
+        request = b"ET /health HTTP/1.1\r\nHost: x\r\n"
+        closed: set[int] = set()
+        sent = 1
+        while time.monotonic() - started < 14 and len(closed) < len(conns):
+            for i, s in enumerate(conns):
+                if i in closed:
+                    continue
+                try:
+                    s.sendall(request[sent % len(request) : sent % len(request) + 1])
+                    s.setblocking(False)
+                    if s.recv(1) == b"":
+                        closed.add(i)
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    closed.add(i)
+                finally:
+                    s.setblocking(True)
+            sent += 1
+            latencies.append(timed(server, "/health"))
+            if time.monotonic() - started < 2:
+                early = len(closed)
+            time.sleep(0.5)
+    finally:
+        for s in conns:
+            s.close()
+    assert early >= 200, early  # past the cap of 100, within two seconds
+    assert len(closed) == 300, len(closed)  # every one, at its deadline
+    assert max(latencies) < HEALTH_S, max(latencies)
