@@ -27,6 +27,7 @@ DEFAULT_LEVEL = 1  # zstd level: 1 compresses float KV within 1% of level 3, sev
 DEFAULT_DEVICE = "auto"
 DEFAULT_DTYPE = "auto"
 ON_MISMATCH = ("error", "recompute")  # what to do when a --resume snapshot is refused
+MIN_TEMPERATURE = 1e-5  # sampling below this temperature is greedy (SamplingParams.greedy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +57,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below the floor, logits / temperature overflow float32 (inf, then NaN probabilities); so
+        # close to 0 the answer is the greedy one anyway (vLLM draws the same line).
+        return self.temperature < MIN_TEMPERATURE
 
 
 # `kvsnap run` is for scripts: greedy by default, so the same prompt gives the same answer.

@@ -111,3 +111,63 @@ def test_json_within_bounds_reads_as_json_loads_does():
     for text in ('{"a": [1, 2.5, -3e2, true, false, null, "\\u00e9\\ud83d\\ude00", {}]}', nested, ' "x" '):
         assert parse_json(text.encode()) == json.loads(text)
     assert parse_json(json.dumps({"k": "v"}).encode("utf-16")) == {"k": "v"}
+
+
+# -- every number a request may carry -------------------------------------------------------------
+
+NUMBERS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(10**30), max_value=10**30),
+    st.integers(min_value=-(10**400), max_value=10**400),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.floats(min_value=0, max_value=1e-30),
+    st.sampled_from([0, 1, 1e-38, 1e-45, 5e-324, 1e-46, 2**63, 2**63 - 1, 2**64, -1, 0.5, 1.0000001, 1e308]),
+    st.text(max_size=3),
+)
+FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "max_completion_tokens",
+    "seed",
+    "n",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "logprobs",
+    "top_logprobs",
+)
+
+
+@pytest.fixture(scope="module")
+def small_service(tiny_model_dir):
+    """A service whose context is 48 tokens: however large max_tokens is, an answer stays short."""
+    from kvsnap.models import load_model
+
+    return _service(load_model(str(tiny_model_dir("llama")), device="cpu", ctx_size=48))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(fields=st.dictionaries(st.sampled_from(FIELDS), NUMBERS, max_size=5), kind=st.sampled_from([CHAT, COMPLETION]))
+def test_any_number_in_a_request_is_an_answer_or_a_400(small_service, fields, kind):
+    raw = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "prompt": "Once", **fields}).encode()
+    try:
+        req = parse_request(raw, kind)
+        done = small_service.complete(req)
+    except ServeError as exc:
+        assert exc.status == 400, exc.message
+        assert exc.param in (*FIELDS, None), exc.param
+        return
+    assert done.finish_reason in ("stop", "length")
+    assert done.completion_tokens <= small_service.context
+
+
+@pytest.mark.parametrize(
+    "fields", [{"temperature": 1e-38}, {"temperature": 5e-324}, {"top_p": 1e-46}, {"top_p": 5e-324, "temperature": 1}]
+)
+def test_vanishing_temperature_or_top_p_is_greedy(small_service, fields):
+    req = parse_request(_chat("Once upon a time", max_tokens=6, seed=1, **fields), CHAT)
+    greedy = parse_request(_chat("Once upon a time", max_tokens=6, temperature=0), CHAT)
+    assert small_service.complete(req).text == small_service.complete(greedy).text

@@ -234,9 +234,15 @@ def _number(data: dict[str, Any], key: str) -> float | None:
     value = data.get(key)
     if value is None:
         return None
-    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+    if not isinstance(value, int | float) or isinstance(value, bool):
         raise bad(f"{key} must be a number", key)
-    return float(value)
+    try:
+        number = float(value)  # an integer of hundreds of digits is past any float
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise bad(f"{key} must be a finite number", key)
+    return number
 
 
 def _boolean(data: dict[str, Any], key: str, param: str | None = None) -> bool:
