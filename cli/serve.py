@@ -33,6 +33,16 @@ ApiKey = Annotated[
         "--api-keys-file or env KVSNAP_API_KEY on a shared machine.",
     ),
 ]
+AdminKey = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--admin-key",
+        envvar="KVSNAP_ADMIN_KEY",
+        help="A key (Authorization: Bearer KEY) that opens the whole server's figures at /v1/kvsnap/stats: "
+        "every key's totals, the store's stats and path. Without API keys, requests from this machine "
+        "see them anyway. Not an API key: it answers no completion.",
+    ),
+]
 ApiKeysFile = Annotated[
     Path | None, typer.Option(help="File of API keys, one per line (# comments); combined with --api-key.")
 ]
@@ -63,6 +73,7 @@ def serve(
     port: Port = DEFAULT_PORT,
     api_key: ApiKey = None,
     api_keys_file: ApiKeysFile = None,
+    admin_key: AdminKey = None,
     max_queue: MaxQueue = DEFAULT_MAX_QUEUE,
     max_connections: MaxConnections = DEFAULT_MAX_CONNECTIONS,
     store: o.Store = None,
@@ -105,7 +116,7 @@ def serve(
     if no_store and (store is not None or store_budget is not None):
         raise ConfigError("--no-store cannot be combined with --store or --store-budget")
     check_text("--namespace", namespace)
-    keys = ApiKeys(keys_given, namespace)
+    keys = ApiKeys(keys_given, namespace, admin_keys=list(admin_key or []))
     session_config = config.SessionConfig(block_size=block_size, chunk_size=chunk_size, namespace=namespace)
     session_config.check(with_store=not no_store)
     sock = _bind(host, port)  # a busy port fails now, not after the model load

@@ -314,10 +314,12 @@ def build_app(state: ServerState) -> Starlette:
         return JSONResponse({"status": "ok"})
 
     async def stats(request: Request) -> JSONResponse:
-        ns = namespace(request)
-        # With keys, a caller sees its own ledger only: others' totals would tell what they reused.
-        info = await anyio.to_thread.run_sync(service.stats, ns if keys.required else None)
-        return JSONResponse({**info, "queue": turns.snapshot()})
+        auth = request.headers.get("authorization")
+        if keys.is_admin(auth, request.client.host if request.client else None):
+            info = await anyio.to_thread.run_sync(service.stats, None)
+            return JSONResponse({**info, "queue": turns.snapshot(), "view": "admin"})
+        # A key's own figures only (Service.stats says why); the line is everyone's, so it is not shown.
+        return JSONResponse({**service.stats(namespace(request)), "view": "key"})
 
     async def on_serve_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, p.ServeError)

@@ -171,3 +171,29 @@ def test_vanishing_temperature_or_top_p_is_greedy(small_service, fields):
     req = parse_request(_chat("Once upon a time", max_tokens=6, seed=1, **fields), CHAT)
     greedy = parse_request(_chat("Once upon a time", max_tokens=6, temperature=0), CHAT)
     assert small_service.complete(req).text == small_service.complete(greedy).text
+
+
+# -- who sees which figures -----------------------------------------------------------------------
+
+
+def test_a_key_sees_its_own_figures_and_only_an_admin_the_whole_server(llama):
+    from kvsnap.serve import ApiKeys
+
+    keyed = ApiKeys(["alpha-key"], admin_keys=["admin-key"])
+    assert keyed.is_admin("Bearer admin-key", "203.0.113.9")
+    assert not keyed.is_admin("Bearer alpha-key", "127.0.0.1")  # with keys, this machine is no key
+    assert not keyed.is_admin(None, "127.0.0.1")
+    with pytest.raises(ServeError):
+        keyed.namespace_for("Bearer admin-key")  # it opens the figures, it answers nothing
+    open_server = ApiKeys()
+    assert open_server.is_admin(None, "127.0.0.1") and open_server.is_admin(None, "::1")
+    assert not open_server.is_admin(None, "192.0.2.7")
+    with pytest.raises(Exception, match="differ"):
+        ApiKeys(["same"], admin_keys=["same"])
+
+    service = _service(llama)
+    service.complete(parse_request(_chat("Hello", max_tokens=1, temperature=0), CHAT), "alice")
+    own = service.stats("bob")
+    assert own["ledger"]["requests"] == 0 and not {"hot_sessions", "store"} & set(own)
+    everything = service.stats(None)
+    assert everything["ledger"]["requests"] == 1 and everything["hot_sessions"] == 1

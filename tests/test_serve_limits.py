@@ -1,5 +1,5 @@
 """``kvsnap serve`` under clients that ask too much: a huge request, hundreds of trickling
-connections.
+connections, keys asking for each other's figures.
 
 Real servers in subprocesses (``test_serve.Server``), every connection to 127.0.0.1, every load
 bounded in count and in time; each server is killed at the end of its test or module.
@@ -153,3 +153,29 @@ def test_trickling_connections_are_closed_and_health_answers(server):
     assert early >= 200, early  # past the cap of 100, within two seconds
     assert len(closed) == 300, len(closed)  # every one, at its deadline
     assert max(latencies) < HEALTH_S, max(latencies)
+
+
+def test_each_key_sees_its_own_figures_and_the_admin_key_all(model, tmp_path):  # noqa: F811
+    keys = ["alpha-key", "beta-key"]
+    running = Server(
+        tmp_path / "server.log",
+        model,
+        tmp_path / "store",
+        *("--api-key", keys[0], "--api-key", keys[1], "--admin-key", "admin-key"),
+    )
+    try:
+        running.client(keys[0]).chat.completions.create(model="tiny-endless", messages=GOOD["messages"], max_tokens=2)
+        mine, theirs = running.stats(keys[0]), running.stats(keys[1])
+        assert mine["ledger"]["requests"] == 1 and theirs["ledger"]["requests"] == 0
+        for view in (mine, theirs):
+            assert view["view"] == "key"
+            assert not {"hot_sessions", "store", "queue"} & set(view), view
+            assert str(tmp_path) not in json.dumps(view)
+        admin = running.stats("admin-key")
+        assert admin["view"] == "admin" and admin["hot_sessions"] == 1 and admin["ledger"]["requests"] == 1
+        assert admin["store"]["path"] == str(tmp_path / "store") and admin["store"]["lookups"] >= 1
+        assert running.request("GET", "/v1/kvsnap/stats")[0] == 401  # no key: not even from this machine
+        status, _, _ = running.request("POST", "/v1/chat/completions", GOOD, key="admin-key")
+        assert status == 401  # the admin key reads figures, it answers nothing
+    finally:
+        running.kill()

@@ -298,19 +298,25 @@ class Service:
         return total.as_dict()
 
     def stats(self, namespace: str | None = None) -> dict[str, Any]:
-        """The ledger (see ``ledger``) and the block store's stats (file reads: call off the event loop)."""
+        """What one namespace may see (``namespace``): the model, the settings and its own ledger.
+        None: the whole server's view, for its operator: every namespace's ledger together, the hot
+        sessions and the block store's stats and path (file reads: call off the event loop).
+
+        A namespace sees nothing of the others: their totals, how many sessions are hot, the store's
+        lookups and hits would tell one user what another asked, or that they asked at all."""
+        view = {
+            "model": self.model_id,
+            "uptime_s": round(time.time() - self.started, 3),
+            "block_size": self.config.block_size,
+            "chunk_size": self.config.chunk_size,
+            "ledger": self.ledger(namespace),
+        }
+        if namespace is not None:
+            return view
         store: dict[str, Any] | None = None
         if self.store is not None:
             try:
                 store = self.store.stats()
             except KvsnapError as exc:
                 store = {"path": str(self.store.path), "error": str(exc)}
-        return {
-            "model": self.model_id,
-            "uptime_s": round(time.time() - self.started, 3),
-            "block_size": self.config.block_size,
-            "chunk_size": self.config.chunk_size,
-            "ledger": self.ledger(namespace),
-            "hot_sessions": len(self._sessions),
-            "store": store,
-        }
+        return {**view, "hot_sessions": len(self._sessions), "store": store}
