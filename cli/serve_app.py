@@ -53,12 +53,17 @@ class ServerState:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvsnap-serve")
         self.active: set[threading.Event] = set()
         self.closing = False
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once a request came
+        self.stopping = asyncio.Event()  # set on the loop when closing: wakes the requests in line
 
     def cancel_all(self) -> None:
-        """Stop every accepted request before its next model step (the server is shutting down)."""
+        """Stop every accepted request before its next model step, and answer those still in line
+        with a 503 (the server is shutting down). Safe from a signal handler."""
         self.closing = True
         for event in list(self.active):
             event.set()
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.stopping.set)
 
 
 def error_response(exc: p.ServeError) -> JSONResponse:
@@ -114,11 +119,16 @@ class JobResponse:
             except BaseException as exc:
                 post("error", exc)
 
+        self.state.loop = loop
         self.state.active.add(cancel)
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_watch_disconnect, receive, cancel, tg.cancel_scope)
-                await self.ticket.wait()
+                if not await self._turn():
+                    # Still in line when the server stops: refused before any header goes out.
+                    await error_response(_shutting_down())(self.scope, _no_receive, send)
+                    tg.cancel_scope.cancel()
+                    return
                 self._future = loop.run_in_executor(self.state.executor, work)
                 try:
                     await self._answer(events, send)
@@ -133,6 +143,18 @@ class JobResponse:
             self.state.active.discard(cancel)
             if left:
                 self.state.log(f"{self.req.kind}: stopped, the client left")
+
+    async def _turn(self) -> bool:
+        """Wait for this request's turn; False when the server began shutting down first."""
+        if not self.state.closing:
+            turn = asyncio.ensure_future(self.ticket.wait())
+            stop = asyncio.ensure_future(self.state.stopping.wait())
+            try:
+                await asyncio.wait({turn, stop}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                turn.cancel()
+                stop.cancel()
+        return not self.state.closing
 
     async def _settle(self) -> None:
         """Wait for the worker to return, then pass the turn on: called as soon as the worker's last
@@ -212,9 +234,7 @@ class JobResponse:
 
     def _stopped(self, exc: Cancelled) -> p.ServeError | None:
         """Why a request was stopped: the server shuts down (the client hears it), or the client left."""
-        if self.state.closing:
-            return p.ServeError(503, "the server is shutting down", code="server_shutting_down")
-        return None
+        return _shutting_down() if self.state.closing else None
 
     def _log_done(self, c: Completion) -> None:
         line = (
@@ -226,6 +246,10 @@ class JobResponse:
         self.state.log(line)
         if c.store_error:
             self.state.log(f"warning: {c.store_error}")
+
+
+def _shutting_down() -> p.ServeError:
+    return p.ServeError(503, "the server is shutting down", code="server_shutting_down")
 
 
 def _usage(c: Completion) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """``kvsnap serve`` under clients that ask too much: a huge request, hundreds of trickling
-connections, keys asking for each other's figures.
+connections, a shutdown with requests in line, keys asking for each other's figures.
 
 Real servers in subprocesses (``test_serve.Server``), every connection to 127.0.0.1, every load
 bounded in count and in time; each server is killed at the end of its test or module.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import signal
 import socket
 import threading
 import time
@@ -153,6 +154,33 @@ def test_trickling_connections_are_closed_and_health_answers(server):
     assert early >= 200, early  # past the cap of 100, within two seconds
     assert len(closed) == 300, len(closed)  # every one, at its deadline
     assert max(latencies) < HEALTH_S, max(latencies)
+
+
+def test_a_request_in_line_at_shutdown_gets_a_503(model, tmp_path):  # noqa: F811
+    running = Server(tmp_path / "server.log", model, tmp_path / "store", "--max-queue", "2")
+    try:
+        stream = busy_stream(running)
+        waiting: dict = {}
+        body = {**GOOD, "stream": True}
+
+        def ask() -> None:
+            conn = http.client.HTTPConnection("127.0.0.1", running.port, timeout=60)
+            conn.request("POST", "/v1/chat/completions", body=json.dumps(body).encode())
+            response = conn.getresponse()
+            waiting["r"] = (response.status, response.read())
+
+        thread = threading.Thread(target=ask)
+        thread.start()
+        running.wait_for(lambda s: s["queue"]["waiting"] == 1)
+        running.proc.send_signal(signal.SIGINT)
+        thread.join(30)
+        stream.close()
+        status, raw = waiting["r"]
+        assert status == 503, raw
+        assert json.loads(raw)["error"]["code"] == "server_shutting_down"
+        assert running.proc.wait(30) is not None
+    finally:
+        running.kill()
 
 
 def test_each_key_sees_its_own_figures_and_the_admin_key_all(model, tmp_path):  # noqa: F811

@@ -220,6 +220,10 @@ class Service:
             ledger.failed += 1
             raise
         session = self.session(namespace)
+        if cancelled is not None and cancelled():
+            # Stopped while it waited (the client left, the server shuts down): nothing was answered yet.
+            ledger.cancelled += 1
+            raise Cancelled()
         if on_ready is not None:
             on_ready()
 
