@@ -14,6 +14,7 @@ from kvsnap_cli.common import guarded
 
 DEFAULT_PORT = 8080
 DEFAULT_MAX_QUEUE = 16
+DEFAULT_MAX_CONNECTIONS = 1000
 
 Host = Annotated[
     str,
@@ -32,12 +33,30 @@ ApiKey = Annotated[
         "--api-keys-file or env KVSNAP_API_KEY on a shared machine.",
     ),
 ]
+AdminKey = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--admin-key",
+        envvar="KVSNAP_ADMIN_KEY",
+        help="A key (Authorization: Bearer KEY) that opens the whole server's figures at /v1/kvsnap/stats: "
+        "every key's totals, the store's stats and path. Without API keys, requests from this machine "
+        "see them anyway. Not an API key: it answers no completion.",
+    ),
+]
 ApiKeysFile = Annotated[
     Path | None, typer.Option(help="File of API keys, one per line (# comments); combined with --api-key.")
 ]
 MaxQueue = Annotated[
     int,
     typer.Option(min=0, help="Requests that may wait while one is answered; past that, 503 with Retry-After."),
+]
+MaxConnections = Annotated[
+    int,
+    typer.Option(
+        min=1,
+        help="Open connections at most (kept below the file limit); past that, a new connection closes the one "
+        "that has owed its request longest. A request's headers must arrive within 10 s, its body within 60 s.",
+    ),
 ]
 NoStore = Annotated[
     bool,
@@ -54,7 +73,9 @@ def serve(
     port: Port = DEFAULT_PORT,
     api_key: ApiKey = None,
     api_keys_file: ApiKeysFile = None,
+    admin_key: AdminKey = None,
     max_queue: MaxQueue = DEFAULT_MAX_QUEUE,
+    max_connections: MaxConnections = DEFAULT_MAX_CONNECTIONS,
     store: o.Store = None,
     no_store: NoStore = False,
     store_budget: o.StoreBudget = None,
@@ -95,7 +116,7 @@ def serve(
     if no_store and (store is not None or store_budget is not None):
         raise ConfigError("--no-store cannot be combined with --store or --store-budget")
     check_text("--namespace", namespace)
-    keys = ApiKeys(keys_given, namespace)
+    keys = ApiKeys(keys_given, namespace, admin_keys=list(admin_key or []))
     session_config = config.SessionConfig(block_size=block_size, chunk_size=chunk_size, namespace=namespace)
     session_config.check(with_store=not no_store)
     sock = _bind(host, port)  # a busy port fails now, not after the model load
@@ -104,7 +125,7 @@ def serve(
         opts = SimpleNamespace(model=model, device=device, dtype=dtype, ctx_size=ctx_size)
         block_store = open_store(store_path, store_budget) if store_path is not None else None
         session = open_session(opts, session_config, workload="serve", store=block_store)
-        _run(session.lm, session_config, block_store, keys, max_queue, sock, model)
+        _run(session.lm, session_config, block_store, keys, max_queue, max_connections, sock, model)
     finally:
         sock.close()
 
@@ -128,11 +149,12 @@ def _bind(host: str, port: int):
     return sock
 
 
-def _run(lm, session_config, block_store, keys, max_queue: int, sock, spec: str) -> None:
+def _run(lm, session_config, block_store, keys, max_queue: int, max_connections: int, sock, spec: str) -> None:
     import uvicorn
 
     from kvsnap.serve import Service, Turns
     from kvsnap_cli.serve_app import ServerState, build_app
+    from kvsnap_cli.serve_conn import KEEP_ALIVE_S, connection_cap, guarded_protocol
 
     service = Service(lm, session_config, block_store, aliases=(spec,))
     state = ServerState(service, keys, Turns(max_queue), ui.note)
@@ -144,7 +166,15 @@ def _run(lm, session_config, block_store, keys, max_queue: int, sock, spec: str)
             state.cancel_all()
             super().handle_exit(sig, frame)
 
-    cfg = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=3)
+    cfg = uvicorn.Config(
+        app,
+        http=guarded_protocol(connection_cap(max_connections)),
+        timeout_keep_alive=KEEP_ALIVE_S,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=3,
+    )
     # Listen before the address is announced: a client that reads it and connects at once (a script,
     # the tests) waits in the backlog for uvicorn's loop instead of being refused.
     sock.listen(128)

@@ -22,10 +22,11 @@ from typing import Any
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from kvsnap import limits
 from kvsnap.errors import ConfigError, KvsnapError
 from kvsnap.serve import protocol as p
 from kvsnap.serve.keys import ApiKeys
@@ -52,12 +53,17 @@ class ServerState:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvsnap-serve")
         self.active: set[threading.Event] = set()
         self.closing = False
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once a request came
+        self.stopping = asyncio.Event()  # set on the loop when closing: wakes the requests in line
 
     def cancel_all(self) -> None:
-        """Stop every accepted request before its next model step (the server is shutting down)."""
+        """Stop every accepted request before its next model step, and answer those still in line
+        with a 503 (the server is shutting down). Safe from a signal handler."""
         self.closing = True
         for event in list(self.active):
             event.set()
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.stopping.set)
 
 
 def error_response(exc: p.ServeError) -> JSONResponse:
@@ -113,11 +119,16 @@ class JobResponse:
             except BaseException as exc:
                 post("error", exc)
 
+        self.state.loop = loop
         self.state.active.add(cancel)
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_watch_disconnect, receive, cancel, tg.cancel_scope)
-                await self.ticket.wait()
+                if not await self._turn():
+                    # Still in line when the server stops: refused before any header goes out.
+                    await error_response(_shutting_down())(self.scope, _no_receive, send)
+                    tg.cancel_scope.cancel()
+                    return
                 self._future = loop.run_in_executor(self.state.executor, work)
                 try:
                     await self._answer(events, send)
@@ -132,6 +143,18 @@ class JobResponse:
             self.state.active.discard(cancel)
             if left:
                 self.state.log(f"{self.req.kind}: stopped, the client left")
+
+    async def _turn(self) -> bool:
+        """Wait for this request's turn; False when the server began shutting down first."""
+        if not self.state.closing:
+            turn = asyncio.ensure_future(self.ticket.wait())
+            stop = asyncio.ensure_future(self.state.stopping.wait())
+            try:
+                await asyncio.wait({turn, stop}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                turn.cancel()
+                stop.cancel()
+        return not self.state.closing
 
     async def _settle(self) -> None:
         """Wait for the worker to return, then pass the turn on: called as soon as the worker's last
@@ -211,9 +234,7 @@ class JobResponse:
 
     def _stopped(self, exc: Cancelled) -> p.ServeError | None:
         """Why a request was stopped: the server shuts down (the client hears it), or the client left."""
-        if self.state.closing:
-            return p.ServeError(503, "the server is shutting down", code="server_shutting_down")
-        return None
+        return _shutting_down() if self.state.closing else None
 
     def _log_done(self, c: Completion) -> None:
         line = (
@@ -225,6 +246,10 @@ class JobResponse:
         self.state.log(line)
         if c.store_error:
             self.state.log(f"warning: {c.store_error}")
+
+
+def _shutting_down() -> p.ServeError:
+    return p.ServeError(503, "the server is shutting down", code="server_shutting_down")
 
 
 def _usage(c: Completion) -> dict[str, Any]:
@@ -246,31 +271,52 @@ async def _watch_disconnect(receive: Any, cancel: threading.Event, scope: anyio.
     scope.cancel()
 
 
-async def read_body(request: Request) -> bytes:
-    """The request body, refused past ``MAX_BODY_BYTES`` without reading the rest into memory."""
-    too_big = p.ServeError(413, f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB")
+def body_limit(service: Service) -> int:
+    """The largest body worth reading: ``MAX_BODY_BYTES``, or less where the context is small. JSON
+    spends at most 6 bytes (``\\u0001``) on a byte of text, so no prompt that could fit is refused."""
+    if service.text_limit is None:
+        return MAX_BODY_BYTES
+    return min(MAX_BODY_BYTES, 6 * service.text_limit + (1 << 20))
+
+
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The request body, refused past ``limit`` bytes without reading the rest into memory."""
+    too_big = p.ServeError(413, f"the request body is larger than {limits.size_text(limit)}")
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+    if declared.isdigit() and int(declared) > limit:
         raise too_big
     parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > MAX_BODY_BYTES:
-            raise too_big
-        parts.append(part)
+    try:
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise too_big
+            parts.append(part)
+    except ClientDisconnect:
+        raise p.ServeError(400, "the client left before its request body was read") from None
     return b"".join(parts)
 
 
 def build_app(state: ServerState) -> Starlette:
     service, keys, turns = state.service, state.keys, state.turns
 
+    max_body = body_limit(service)
+
     def namespace(request: Request) -> str:
         return keys.namespace_for(request.headers.get("authorization"))
 
+    def accept(body: bytes, kind: str) -> p.CompletionRequest:
+        req = p.parse_request(body, kind)
+        service.check_model(req.model)
+        service.check_size(req)
+        return req
+
     async def completions(request: Request, kind: str) -> Any:
         ns = namespace(request)
-        req = p.parse_request(await read_body(request), kind)
-        service.check_model(req.model)
+        body = await read_body(request, max_body)
+        # Off the event loop: the checks' work grows with the body (bounded, and mostly without the
+        # GIL, but never while /health waits).
+        req = await anyio.to_thread.run_sync(accept, body, kind)
         return JobResponse(state, req, ns, turns.reserve())
 
     async def chat(request: Request) -> Any:
@@ -292,10 +338,12 @@ def build_app(state: ServerState) -> Starlette:
         return JSONResponse({"status": "ok"})
 
     async def stats(request: Request) -> JSONResponse:
-        ns = namespace(request)
-        # With keys, a caller sees its own ledger only: others' totals would tell what they reused.
-        info = await anyio.to_thread.run_sync(service.stats, ns if keys.required else None)
-        return JSONResponse({**info, "queue": turns.snapshot()})
+        auth = request.headers.get("authorization")
+        if keys.is_admin(auth, request.client.host if request.client else None):
+            info = await anyio.to_thread.run_sync(service.stats, None)
+            return JSONResponse({**info, "queue": turns.snapshot(), "view": "admin"})
+        # A key's own figures only (Service.stats says why); the line is everyone's, so it is not shown.
+        return JSONResponse({**service.stats(namespace(request)), "view": "key"})
 
     async def on_serve_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, p.ServeError)

@@ -30,6 +30,7 @@ ON_MISMATCH = ("error", "recompute")  # what to do when a --resume snapshot is r
 # A chat turn whose prompt and answer room do not fit the context: drop the oldest turns from the model's
 # view (the messages keep them; kvsnap.engine.chat_view), or refuse the turn.
 ON_CONTEXT_FULL = ("drop_oldest", "error")
+MIN_TEMPERATURE = 1e-5  # sampling below this temperature is greedy (SamplingParams.greedy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +60,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below the floor, logits / temperature overflow float32 (inf, then NaN probabilities); so
+        # close to 0 the answer is the greedy one anyway (vLLM draws the same line).
+        return self.temperature < MIN_TEMPERATURE
 
 
 # `kvsnap run` is for scripts: greedy by default, so the same prompt gives the same answer.

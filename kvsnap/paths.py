@@ -96,7 +96,10 @@ def check_save_target(path: str | os.PathLike[str], *, error: type[KvsnapError])
     the user did not name. Only the last part of the path is checked (a folder reached through a
     link is fine).
     """
-    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        folder = os.path.dirname(os.path.abspath(path))
+    except FileNotFoundError:  # abspath asks for the working folder, which was deleted
+        raise error(f"{path}: cannot save there, the working folder no longer exists") from None
     try:
         st = os.lstat(path)
     except FileNotFoundError:

@@ -28,6 +28,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         cum = torch.softmax(sorted_scores, dim=-1).cumsum(dim=-1)
         # Drop tokens once the mass before them already reaches top_p (the first always stays).
         drop = cum - torch.softmax(sorted_scores, dim=-1) >= params.top_p
+        # A top_p below float32's smallest number compares as 0, which would drop every token.
+        drop[0] = False
         scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
     probs = torch.softmax(scores, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))

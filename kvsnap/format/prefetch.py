@@ -60,7 +60,10 @@ _lock = threading.Lock()
 
 
 def _key(path: str | os.PathLike[str]) -> Path:
-    return Path(os.path.abspath(path))
+    try:
+        return Path(os.path.abspath(path))
+    except FileNotFoundError:  # the working folder was deleted: the path as given is all there is
+        return Path(path)
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:

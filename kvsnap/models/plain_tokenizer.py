@@ -34,6 +34,7 @@ _FILES_LEFT_TO_TRANSFORMERS = (
     "chat_templates",
     "additional_chat_templates",
 )
+RELEASE_GIL_CHARS = 1 << 16
 _MAX_VOCAB = 100_000  # transformers rewrites the pre-tokenizer of larger vocabularies (its Mistral regex fix)
 
 
@@ -170,6 +171,12 @@ class PlainTokenizer:
 
     def _encode(self, text: str, add_special_tokens: bool, split_special_tokens: bool):
         tok = self._splitting() if split_special_tokens else self._tok
+        if len(text) > RELEASE_GIL_CHARS:
+            # encode holds the GIL for the whole text (seconds for a megabyte, while no other thread
+            # runs: a server's event loop); encode_batch, what transformers calls, lets go of it.
+            return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        # A short text stays on encode: it never marks the process as having used the tokenizers
+        # thread pool, which makes every later fork print a warning.
         return tok.encode(text, add_special_tokens=add_special_tokens)
 
     def _splitting(self):
@@ -205,6 +212,9 @@ class PlainTokenizer:
     def __len__(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def get_vocab(self) -> dict[str, int]:
+        return self._tok.get_vocab(with_added_tokens=True)
+
     # -- special tokens
 
     @property
@@ -231,3 +241,17 @@ class PlainTokenizer:
     eos_token_id = property(lambda self: self._named_id("eos_token"))
     unk_token_id = property(lambda self: self._named_id("unk_token"))
     pad_token_id = property(lambda self: self._named_id("pad_token"))
+
+
+def longest_token_bytes(tokenizer: Any) -> int | None:
+    """An upper bound on the bytes of text one token stands for: the longest token's UTF-8 length as
+    the vocabulary spells it (a byte-level BPE spells a byte in one character of one or two bytes,
+    SentencePiece a space as the 3-byte "\u2581", a raw byte as "<0x0A>": never fewer bytes than
+    the text). A text longer than ``context x this`` cannot fit the context. None when the
+    tokenizer has no vocabulary to read."""
+    try:
+        vocab = tokenizer.get_vocab()
+        longest = max((len(token.encode("utf-8", "surrogatepass")) for token in vocab), default=0)
+    except Exception:  # a tokenizer of another kind: no bound, the caller's byte caps still hold
+        return None
+    return longest or None

@@ -25,11 +25,16 @@ _LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
 class ApiKeys:
     """The keys a server accepts (none: anyone on the machine may ask, in ``namespace``)."""
 
-    def __init__(self, keys: list[str] | tuple[str, ...] = (), namespace: str = ""):
-        for key in keys:
+    def __init__(
+        self, keys: list[str] | tuple[str, ...] = (), namespace: str = "", admin_keys: list[str] | tuple[str, ...] = ()
+    ):
+        for key in (*keys, *admin_keys):
             if not key or key != key.strip() or not key.isprintable():
                 raise ConfigError("an API key must be printable text without surrounding spaces")
+        if set(keys) & set(admin_keys):
+            raise ConfigError("an admin key must differ from every API key")
         self._salts = {key: key_namespace(namespace, key) for key in keys}
+        self._admin = [key.encode() for key in admin_keys]
         self.namespace = namespace
 
     @property
@@ -39,16 +44,21 @@ class ApiKeys:
     def __len__(self) -> int:
         return len(self._salts)
 
+    def is_admin(self, authorization: str | None, client_host: str | None) -> bool:
+        """Whether a request may see the whole server's figures: it carries an admin key, or the
+        server takes no API keys (everyone who can reach it is this machine's) and it comes from
+        this machine."""
+        given = _bearer(authorization).encode("utf-8", "replace")
+        if any([hmac.compare_digest(key, given) for key in self._admin]):
+            return True
+        return not self._salts and client_host is not None and is_loopback(client_host)
+
     def namespace_for(self, authorization: str | None) -> str:
         """The namespace of the key in an ``Authorization: Bearer KEY`` header; 401 for a missing or
         unknown key when keys are set. Every key is compared in constant time."""
         if not self._salts:
             return self.namespace
-        given = ""
-        if authorization:
-            scheme, _, value = authorization.strip().partition(" ")
-            if scheme.lower() == "bearer":
-                given = value.strip()
+        given = _bearer(authorization)
         found = None
         for key, salt in self._salts.items():
             if hmac.compare_digest(key.encode(), given.encode("utf-8", "replace")):
@@ -62,6 +72,15 @@ class ApiKeys:
                 headers={"WWW-Authenticate": "Bearer"},
             )
         return found
+
+
+def _bearer(authorization: str | None) -> str:
+    """The key of an ``Authorization: Bearer KEY`` header ("" for none)."""
+    if authorization:
+        scheme, _, value = authorization.strip().partition(" ")
+        if scheme.lower() == "bearer":
+            return value.strip()
+    return ""
 
 
 def key_namespace(namespace: str, key: str) -> str:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvsnap.errors import KvsnapError
+from kvsnap.serve.body import TooLarge, parse_json
 
 CHAT = "chat"
 COMPLETION = "completion"
@@ -91,8 +92,10 @@ class CompletionRequest:
 def parse_body(body: bytes) -> dict[str, Any]:
     """The request's JSON object, or a 400 that says what is wrong with it."""
     try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, ValueError) as exc:
+        data = parse_json(body)
+    except TooLarge as exc:
+        raise bad(str(exc), code="invalid_json") from None
+    except (ValueError, RecursionError) as exc:
         raise bad(f"the request body is not valid JSON ({exc})", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad("the request body must be a JSON object", code="invalid_json")
@@ -231,9 +234,15 @@ def _number(data: dict[str, Any], key: str) -> float | None:
     value = data.get(key)
     if value is None:
         return None
-    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+    if not isinstance(value, int | float) or isinstance(value, bool):
         raise bad(f"{key} must be a number", key)
-    return float(value)
+    try:
+        number = float(value)  # an integer of hundreds of digits is past any float
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise bad(f"{key} must be a finite number", key)
+    return number
 
 
 def _boolean(data: dict[str, Any], key: str, param: str | None = None) -> bool:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from kvsnap import limits
 from kvsnap.config import CHAT_SAMPLING, SamplingParams, SessionConfig
 from kvsnap.errors import ConfigError, KvsnapError
+from kvsnap.models.plain_tokenizer import longest_token_bytes
 from kvsnap.serve.protocol import CHAT, FINISH_REASONS, CompletionRequest, ServeError, bad
 
 if TYPE_CHECKING:
@@ -113,6 +114,12 @@ class Service:
         self._sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()
         self._ledgers: dict[str, Ledger] = collections.defaultdict(Ledger)
         self.started = time.time()
+        # Tokenizing is the one step whose work grows with what a client sends before anything is
+        # checked: a text longer than the context times the longest token cannot fit, so it is
+        # refused by its length alone (None: the tokenizer gives no bound).
+        self.context, self.context_what = limits.token_limit(lm.max_positions, lm.context_source)
+        per_token = longest_token_bytes(lm.tokenizer)
+        self.text_limit = self.context * per_token if per_token else None
 
     # -- checks a request passes before it waits for its turn -------------------------------------
 
@@ -138,12 +145,29 @@ class Service:
         if wanted is None:
             wanted = base.max_new_tokens if req.kind == CHAT else COMPLETION_MAX_TOKENS
         # Generation stops at the context anyway ("length"); the cap keeps a huge max_tokens valid.
-        context, _ = limits.token_limit(self.lm.max_positions, self.lm.context_source)
-        wanted = min(wanted, max(0, context - prompt_tokens))
+        wanted = min(wanted, max(0, self.context - prompt_tokens))
         try:
             return SamplingParams(max_new_tokens=wanted, seed=req.seed, stop=req.stop, **chosen)
         except ConfigError as exc:
             raise bad(str(exc)) from None
+
+    def check_size(self, req: CompletionRequest) -> None:
+        """400 (``context_length_exceeded``) for a prompt whose text alone cannot fit the context;
+        costs a pass over the text's characters, nothing that grows with the tokenizer's work."""
+        if self.text_limit is None:
+            return
+        texts = [m["content"] for m in req.messages or ()] if req.kind == CHAT else [req.prompt or ""]
+        chars = sum(map(len, texts))
+        if chars * 4 <= self.text_limit:  # UTF-8 spends at most 4 bytes on a character
+            return
+        size = chars if chars > self.text_limit else sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+        if size > self.text_limit:
+            raise bad(
+                f"the prompt is {size:,} bytes of text, more than {self.context_what} ({self.context:,} tokens) "
+                f"can hold ({self.text_limit:,} bytes at most)",
+                req.param,
+                code="context_length_exceeded",
+            )
 
     # -- one request ------------------------------------------------------------------------------
 
@@ -152,6 +176,7 @@ class Service:
         prompt the tokenizer's own way; 400 when they cannot be rendered or do not fit the context."""
         from kvsnap.engine.chat_template import render_chat
 
+        self.check_size(req)
         try:
             if req.kind == CHAT:
                 ids = render_chat(self.lm, list(req.messages or ()))
@@ -164,7 +189,7 @@ class Service:
             raise bad(f"the model's chat template cannot render these messages: {first}", req.param) from None
         if not ids:
             raise bad("the prompt is empty", req.param)
-        limit, what = limits.token_limit(self.lm.max_positions, self.lm.context_source)
+        limit, what = self.context, self.context_what
         if len(ids) > limit:
             raise bad(
                 f"the prompt is {len(ids):,} tokens, more than {what} ({limit:,})",
@@ -195,6 +220,10 @@ class Service:
             ledger.failed += 1
             raise
         session = self.session(namespace)
+        if cancelled is not None and cancelled():
+            # Stopped while it waited (the client left, the server shuts down): nothing was answered yet.
+            ledger.cancelled += 1
+            raise Cancelled()
         if on_ready is not None:
             on_ready()
 
@@ -273,19 +302,25 @@ class Service:
         return total.as_dict()
 
     def stats(self, namespace: str | None = None) -> dict[str, Any]:
-        """The ledger (see ``ledger``) and the block store's stats (file reads: call off the event loop)."""
+        """What one namespace may see (``namespace``): the model, the settings and its own ledger.
+        None: the whole server's view, for its operator: every namespace's ledger together, the hot
+        sessions and the block store's stats and path (file reads: call off the event loop).
+
+        A namespace sees nothing of the others: their totals, how many sessions are hot, the store's
+        lookups and hits would tell one user what another asked, or that they asked at all."""
+        view = {
+            "model": self.model_id,
+            "uptime_s": round(time.time() - self.started, 3),
+            "block_size": self.config.block_size,
+            "chunk_size": self.config.chunk_size,
+            "ledger": self.ledger(namespace),
+        }
+        if namespace is not None:
+            return view
         store: dict[str, Any] | None = None
         if self.store is not None:
             try:
                 store = self.store.stats()
             except KvsnapError as exc:
                 store = {"path": str(self.store.path), "error": str(exc)}
-        return {
-            "model": self.model_id,
-            "uptime_s": round(time.time() - self.started, 3),
-            "block_size": self.config.block_size,
-            "chunk_size": self.config.chunk_size,
-            "ledger": self.ledger(namespace),
-            "hot_sessions": len(self._sessions),
-            "store": store,
-        }
+        return {**view, "hot_sessions": len(self._sessions), "store": store}

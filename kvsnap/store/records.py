@@ -67,7 +67,9 @@ class StoreMatch:
     hit_tokens: int
     block_size: int
     hashes: tuple[bytes, ...]
-    dropped: tuple[str, ...] = ()  # damaged blocks this fetch found and dropped (a miss from there on), one line each
+    # One line per block this fetch could not use (a miss from there on): damaged and dropped, or
+    # found on disk but not indexed, and not adoptable.
+    dropped: tuple[str, ...] = ()
 
     @property
     def full_blocks(self) -> int:

@@ -104,15 +104,18 @@ class BlockStore:
 
         A block that fails its checksum (or whose entry cannot describe a block of its chain) ends
         the match there (a miss costs a recompute, a damaged block would cost a wrong answer) and is
-        dropped from the store with the blocks below it; ``match.dropped`` says so.
+        dropped from the store with the blocks below it; ``match.dropped`` says so. Past the indexed
+        match, block files a killed writer completed are adopted once their trailers prove them
+        (``upkeep.adopt_following``); one that cannot be is named in ``match.dropped`` too.
         """
         with self.transaction(write=True) as t:
             t.optional = True
             index = t.index
             found = index.match(prompt_ids, root, block_size)
+            # A writer killed between its block files and its index write left them complete.
+            adopted, dropped = upkeep.adopt_following(self.files, index, prompt_ids, root, block_size, found.hashes)
             blocks: list[StoredBlock] = []
-            dropped = []
-            for h in found.hashes:
+            for h in (*found.hashes, *adopted):
                 record = index.blocks[h]
                 try:
                     problem = record_problem(record, index.chains.get(root))

@@ -12,10 +12,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
+from kvsnap import hashing
 from kvsnap.errors import StoreError
 from kvsnap.format.atomic import fsync_dir
 from kvsnap.store import blockfile
@@ -107,7 +108,48 @@ def check(files: StoreFiles) -> list[str]:
                 problems.append(f"{e.rel}: not a file kvsnap writes (gc leaves it alone)")
             elif e.kind == "folder":
                 problems.append(f"{e.rel}: a folder where a block belongs (gc removes it while empty)")
+            elif e.kind == "temp":
+                # Under the shared lock no writer is at work: it is a killed writer's half-written file.
+                problems.append(f"{e.rel}: a temp file a killed writer left (gc removes it)")
         return problems
+
+
+def adopt_following(
+    files: StoreFiles,
+    index: BlockIndex,
+    prompt_ids: Sequence[int],
+    root: bytes,
+    block_size: int,
+    matched: Sequence[bytes],
+) -> tuple[list[bytes], list[str]]:
+    """The prompt's blocks after those ``matched`` in the index that a writer killed before its index write
+    left complete on disk, adopted into ``index`` (it must be saved): each file's trailer must name
+    the block the prompt needs there and prove it (``blockfile.prove``). Returns the hashes adopted,
+    in order, and one line for a file found there that could not be (then the match ends there).
+    Costs one ``lstat`` when nothing is there to adopt."""
+    adopted: list[bytes] = []
+    parent = matched[-1] if matched else root
+    for i in range(len(matched), len(prompt_ids) // block_size):
+        tokens = tuple(int(t) for t in prompt_ids[i * block_size : (i + 1) * block_size])
+        h = hashing.block_hash(parent, tokens)
+        path = files.block_path(h)
+        if h in index.blocks or not os.path.lexists(path):
+            break
+        try:
+            record, chain, stored = files.read_block_file(path)
+            if (record.hash, record.parent, record.root, record.token_ids) != (h, parent, root, tokens):
+                raise StoreError("its trailer names another block")
+            if not record.full or chain.block_size != block_size:
+                raise StoreError("its trailer names a block of another size")
+            blockfile.prove(record, chain, stored)
+            index.add_chain(chain)
+            index.put(record)
+        except (StoreError, OSError) as exc:
+            why = getattr(exc, "strerror", None) or exc
+            return adopted, [f"{path}: a block file the index does not name, not adopted: {why} (gc removes it)"]
+        adopted.append(h)
+        parent = h
+    return adopted, []
 
 
 def repair(files: StoreFiles) -> RepairReport:
