@@ -89,10 +89,9 @@ Exact = Annotated[
     typer.Option(
         "--exact",
         metavar="",
-        help="A batch-invariant prefill: a token's KV does not depend on how the prompt was cut into chunks, "
-        "so a resumed run answers exactly as a cold one in bfloat16 too (float32 needs no flag for greedy "
-        "answers). Slower prefill and decode (benchmarks/exact.py); a snapshot made without it resumes as "
-        "another model's rounding.",
+        help="Batch-invariant forwards: a token's KV does not depend on how the prompt was cut into chunks, "
+        "so a resumed run is a cold run bit for bit, in bfloat16 too, and --reuse load and recompute agree. "
+        "Slower prefill and decode (benchmarks/exact.py); snapshots to resume must be made with it too.",
     ),
 ]
 Stop = Annotated[list[str] | None, typer.Option("--stop", help="Stop generating at this string (repeatable).")]
