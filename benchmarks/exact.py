@@ -5,7 +5,7 @@ that many tokens in the default chunks (512), then one-token decode steps after 
 the two, best of ``--repeats``. ``--check`` also prefills each length in chunks of 97 and says whether
 the KV is bitwise the one the default chunks made (the exact forward's must be).
 
-    .venv/bin/python benchmarks/exact.py [--lengths 512 2048] [--dtypes float32 bfloat16] [--repeats 3]
+    .venv/bin/python benchmarks/exact.py [--lengths 512 2048] [--dtypes float32 bfloat16] [--repeats 3] [--check]
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import functools
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -52,7 +54,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--check", action="store_true", help="also compare the KV of another chunking")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows = []
     for dtype in args.dtypes:
         lm = load_model(args.model, device="cpu", dtype=dtype)

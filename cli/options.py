@@ -156,7 +156,7 @@ Exact = Annotated[
     typer.Option(
         "--exact",
         metavar="",
-        help="A batch-invariant forward: a resumed run answers exactly as a cold one in bfloat16 too (slower).",
+        help="Batch-invariant forwards: a resumed run is a cold run bit for bit, in bfloat16 too (slower).",
         rich_help_panel=ADVANCED,
     ),
 ]

@@ -103,6 +103,17 @@ def test_exact_attention_is_causal_attention(past, count):
     torch.testing.assert_close(got, want.transpose(1, 2).reshape(1, count, -1).float(), rtol=1e-5, atol=1e-5)
 
 
+def test_exact_attention_batched_any_way_alike(monkeypatch):
+    """Along the tiles, along the blocks, tiles in groups of one: bitwise the same rows."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, h, n, 16, generator=gen) for h, n in ((6, 40), (2, 300), (2, 300)))
+    plan = exact.Plan.of(260, 40, 3, q.device)
+    along_tiles, along_blocks = (exact.attention(q, k, v, 0.25, plan, by_tile=way) for way in (True, False))
+    monkeypatch.setattr(exact, "SCORES_BYTES", 1)
+    one_tile_at_a_time = exact.attention(q, k, v, 0.25, plan)
+    assert torch.equal(along_tiles, along_blocks) and torch.equal(along_tiles, one_tile_at_a_time)
+
+
 def test_row_tiles_give_every_row_alike():
     """Rows of a linear product in any count and at any place of a tile: bitwise the same results."""
     gen = torch.Generator().manual_seed(0)

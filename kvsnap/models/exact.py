@@ -10,8 +10,8 @@ one. Here every reduction a token's values go through is taken in an order fixed
 
 - linear layers: the rows go through the product ``EXACT_ROWS`` at a time, every call of that one
   shape (padded with zero rows below it): over one shape, a row's result depends on that row alone;
-- attention, in float32: keys in blocks of ``EXACT_KEYS`` at fixed offsets (0, 64, 128, ...), queries
-  in tiles of ``EXACT_QUERIES`` positions (each with its group's heads), every product one shape
+- attention, in float32: keys in blocks of ``EXACT_KEYS`` from key 0, queries in tiles of
+  ``EXACT_QUERIES`` positions (each with its group's heads), every product one shape
   (``[EXACT_KEYS, head_dim] @ [head_dim, rows]``, then ``[rows, EXACT_KEYS] @ [EXACT_KEYS, head_dim + 1]``,
   the extra column of ones summing the softmax's weights); a row's maximum is exact in any order,
   and the blocks' partial sums are added in block order (``cumsum``, accumulated in float64); masked
@@ -35,6 +35,7 @@ import torch
 EXACT_ROWS = 16  # rows per linear product: a decode step pays for this many
 EXACT_QUERIES = 8  # query positions per attention product (times the heads sharing a KV head)
 EXACT_KEYS = 128  # keys per attention block
+SCORES_BYTES = 64 << 20  # the most attention scores held at once (tiles are done in groups)
 
 
 def in_row_tiles(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -102,7 +103,8 @@ def attention(
 
     Every (query tile, key block) pair is one product of one shape; they are batched along the tiles
     (one call per KV head and key block) or along the blocks (one per tile), whichever makes fewer calls:
-    a batched product computes each of its items as it would alone (``by_tile`` forces one way)."""
+    a batched product computes each of its items as it would alone (``by_tile`` forces one way). Tiles
+    go in groups whose scores fit in ``SCORES_BYTES``."""
     _, heads, count, dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     groups, tiles, blocks, width = plan.groups, plan.tiles, plan.blocks, EXACT_QUERIES
@@ -119,36 +121,44 @@ def attention(
     q32 = q.new_zeros((kv_heads, groups, tiles * width, dim), dtype=torch.float32)
     q32[:, :, :count] = q[0].view(kv_heads, groups, count, dim)
     q32 = q32.view(kv_heads, groups, tiles, width, dim).permute(2, 0, 1, 3, 4).reshape(tiles, kv_heads, rows, dim)
+    out = q32.new_empty((tiles, kv_heads, rows, dim))
+    step = max(1, SCORES_BYTES // (4 * kv_heads * blocks * size * rows))
+    for first in range(0, tiles, step):
+        last = min(tiles, first + step)
+        one_way = by_tile if by_tile is not None else last - first <= kv_heads * blocks
+        _attend(q32[first:last], k32, v32, plan.hidden[first:last], scale, one_way, out[first:last])
+    # Back to [1, count, heads * dim], heads in kv head * group order (torch's enable_gqa mapping).
+    out = out.view(tiles, kv_heads, groups, width, dim).permute(0, 3, 1, 2, 4).reshape(tiles * width, heads * dim)
+    return out[:count].to(q.dtype).unsqueeze(0)
+
+
+def _attend(q32, k32, v32, hidden, scale: float, by_tile: bool, out: torch.Tensor) -> None:
+    """``out`` [tiles, kv heads, rows, dim] = the attention of the tiles ``q32`` [tiles, kv heads, rows, dim]
+    over every key block of ``k32``, ``v32`` [kv heads, blocks, size, dim (+ 1)]."""
+    tiles, kv_heads, rows, dim = q32.shape
+    blocks, size = k32.shape[1], k32.shape[2]
     scores = q32.new_empty((tiles, kv_heads, blocks, size, rows))
     parts = q32.new_empty((tiles, kv_heads, blocks, rows, dim + 1))
-    if by_tile is None:
-        by_tile = tiles <= kv_heads * blocks
     if by_tile:
         for t in range(tiles):
-            # [D, rows] items, transposed views as below: the same product, item for item.
+            # [dim, rows] items as transposed views, as below: the same product, item for item.
             queries = q32[t, :, None].expand(kv_heads, blocks, rows, dim).reshape(-1, rows, dim).transpose(1, 2)
             torch.bmm(k32.view(-1, size, dim), queries, out=scores[t].view(-1, size, rows))
     else:
         for h in range(kv_heads):
             for b in range(blocks):
                 torch.bmm(k32[h, b].expand(tiles, size, dim), q32[:, h].transpose(1, 2), out=scores[:, h, b])
-    scores.mul_(scale).masked_fill_(plan.hidden, float("-inf"))
+    scores.mul_(scale).masked_fill_(hidden, float("-inf"))
     top = scores.amax(dim=(2, 3), keepdim=True)  # a maximum is exact in any order
     weights = scores.sub_(top).exp_()
     if by_tile:
         for t in range(tiles):
-            torch.bmm(
-                weights[t].view(-1, size, rows).transpose(1, 2),
-                v32.view(-1, size, dim + 1),
-                out=parts[t].view(-1, rows, dim + 1),
-            )
+            items = weights[t].view(-1, size, rows).transpose(1, 2)
+            torch.bmm(items, v32.view(-1, size, dim + 1), out=parts[t].view(-1, rows, dim + 1))
     else:
         for h in range(kv_heads):
             for b in range(blocks):
                 value = v32[h, b].expand(tiles, size, dim + 1)
                 torch.bmm(weights[:, h, b].transpose(1, 2), value, out=parts[:, h, b])
     total = parts.cumsum(dim=2)[:, :, -1]  # block after block, summed in float64
-    out = total[..., :dim] / total[..., dim:]  # [tiles, kv heads, rows, dim]
-    # Back to [1, count, heads * dim], heads in kv head * group order (torch's enable_gqa mapping).
-    out = out.view(tiles, kv_heads, groups, width, dim).permute(0, 3, 1, 2, 4).reshape(tiles * width, heads * dim)
-    return out[:count].to(q.dtype).unsqueeze(0)
+    torch.div(total[..., :dim], total[..., dim:], out=out)

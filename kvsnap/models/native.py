@@ -91,7 +91,7 @@ class Linear(nn.Module):
         packed, source = self.packed, self.packed_of
         if packed is not None and source is not None and not source.matches(self.weight):
             packed = self.packed = self.packed_of = None  # moved, cast (even back) or loaded since: stale, drop it
-        if packed is not None and x.dtype == packed.dtype:
+        if packed is not None and source is not None and x.dtype == packed.dtype:
             product = functools.partial(packing.linear, packed=packed, bias=self.bias)
         else:
             product = functools.partial(F.linear, weight=self.weight, bias=self.bias)
