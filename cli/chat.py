@@ -20,7 +20,7 @@ from typing import Annotated
 import typer
 
 from kvsnap.config import CHAT_SAMPLING
-from kvsnap_cli import chat_commands, ui
+from kvsnap_cli import chat_commands, chat_resume, ui
 from kvsnap_cli import options as o
 from kvsnap_cli.chat_input import Command, InterruptGate, Message, read_entry
 from kvsnap_cli.chat_keeping import Keeping
@@ -109,20 +109,20 @@ def chat(
         try:
             stats = session.restore(resume)
         except SnapshotError as exc:
-            force = _refused(exc, on_mismatch, interactive, autosave) or force
+            force = chat_resume.refused(exc, on_mismatch, interactive, autosave) or force
         else:
             ui.note(ui.resume_line(stats, decided=session.last_reuse))
-            _describe_history(session, resume, autosave)
+            chat_resume.describe_history(session, resume, autosave)
             seen = Held.of(session.tokens, session.messages) if autosave == resume else None
-            _verify(session, stats)
-            _fit_context(session, params, str(resume))
+            chat_resume.verify(session, stats)
+            chat_resume.fit_context(session, params, str(resume))
     elif opts.store_session is not None:
         stats = session.restore_store_session(opts.store_session)
         if stats is not None:
             ui.note(ui.resume_line(stats, decided=session.last_reuse))
-            _describe_history(session, None, autosave)
-            _verify(session, stats)
-            _fit_context(session, params, f"store session {opts.store_session!r}")
+            chat_resume.describe_history(session, None, autosave)
+            chat_resume.verify(session, stats)
+            chat_resume.fit_context(session, params, f"store session {opts.store_session!r}")
     target = AutosaveTarget(autosave, seen=seen) if autosave is not None else None
     keeping = Keeping(target, opts.store_session, force, BackgroundSaver(session))
     _say_where(keeping, opts.store)
@@ -211,7 +211,13 @@ def _turn(text: str, session, params, keeping: Keeping, interactive: bool, syste
         if result.stop_reason == "interrupted":
             ui.note("(answer interrupted: the conversation keeps the part shown)")
         if result.dropped_turns:
-            ui.note(ui.dropped_line(result.dropped_turns, _turns(session.view_messages), _turns(session.messages)))
+            ui.note(
+                ui.dropped_line(
+                    result.dropped_turns,
+                    chat_resume.count_turns(session.view_messages),
+                    chat_resume.count_turns(session.messages),
+                )
+            )
         ui.note(ui.turn_stats(result))
         if result.verify is not None:
             ui.note(ui.verify_line(result.to_dict()))
@@ -224,72 +230,11 @@ def _turn(text: str, session, params, keeping: Keeping, interactive: bool, syste
         _autosave(session, keeping, interactive, background=True)
 
 
-def _turns(messages) -> int:
-    return sum(1 for m in messages or () if m["role"] == "user")
-
-
-def _fit_context(session, params, source: str) -> None:
-    """A resumed conversation larger than the context: the same turns leave the model's view as a turn
-    would drop, said in one line, before anything runs."""
-    from kvsnap.engine.chat_view import context_of, fit_held
-
-    refit = fit_held(session, params.max_new_tokens)
-    if refit is not None:
-        in_view = (_turns(session.view_messages), _turns(session.messages)) if session.messages else None
-        ui.note(ui.refit_line(refit, source, context_of(session.lm), in_view))
-
-
-def _describe_history(session, path: Path | None, autosave: Path | None) -> None:
-    if session.messages:
-        turns = _turns(session.messages)
-        hidden = turns - _turns(session.view_messages)
-        out = f" ({hidden:,} of them out of the model's view: the context was full)" if hidden else ""
-        ui.note(f"{ui.plural(turns, 'earlier turn')}{out}; last answer: {_last_answer(session.messages)}")
-    elif path is not None:
-        kept = f"; {path} is replaced only by a conversation that continues it" if autosave == path else ""
-        ui.note(f"{path} has no chat history: its tokens are reused where the conversation matches them{kept}")
-
-
-def _verify(session, stats) -> None:
-    """Spot check the resumed KV (--verify, or by default when other versions or another device made it)."""
-    from kvsnap.errors import VerifyError
-
-    try:
-        report = session.verify_restored(stats)
-    except VerifyError as exc:
-        raise VerifyError(f"{exc} (--on-mismatch recompute computes the conversation's KV again)") from None
-    if report is None:
-        return
-    if report.refused is not None:
-        ui.note(f"{report.refused}: the conversation is kept and its KV computed again on the next turn")
-    else:
-        ui.note(ui.verify_line(report.ledger()))
-
-
 def _say_where(keeping: Keeping, store: Path | None) -> None:
     if keeping.store_name is not None:
         ui.note(f"recording this chat in the store {store} as session {keeping.store_name!r} after every turn")
     if keeping.target is None and keeping.store_name is None:
         ui.note("not autosaving (use --save FILE or /save FILE)")
-
-
-def _refused(exc: Exception, policy: str, interactive: bool, autosave: Path | None) -> bool:
-    """A snapshot that cannot be used: stop, or (when allowed) start over. Returns True when the user
-    agreed that the autosave may replace the refused file."""
-    if policy == "ask" and interactive:
-        ui.error(str(exc))
-        where = f"; the next autosave replaces {autosave}" if autosave is not None else ""
-        try:
-            answer = input(f"start a new conversation instead{where}? [y/N] ").strip().lower()
-        except (EOFError, KeyboardInterrupt):
-            answer = ""
-        if answer not in ("y", "yes"):
-            raise typer.Exit(1)
-        return True
-    if policy != "recompute":
-        raise type(exc)(f"{exc} (--on-mismatch recompute starts a new conversation and keeps the file)")
-    ui.error(f"{exc} (starting a new conversation; the file is kept)")
-    return False
 
 
 def _autosave(session, keeping: Keeping, interactive: bool, *, background: bool = False) -> None:
@@ -402,11 +347,3 @@ def _command(cmd: Command, session, keeping: Keeping, interactive: bool) -> bool
     else:
         ui.error(f"unknown command {name} (/help lists them; //text or /say TEXT sends a message starting with /)")
     return True
-
-
-def _last_answer(messages: list[dict[str, str]]) -> str:
-    for m in reversed(messages):
-        if m["role"] == "assistant":
-            text = " ".join(m["content"].split())
-            return ui.printable(text if len(text) <= 80 else text[:77] + "...")
-    return "-"

@@ -23,8 +23,7 @@ from kvsnap.errors import ConfigError
 
 # --help groups options by what they are about; the rare ones (ADVANCED) are hidden from chat's and run's
 # --help, so it fits a screen, and shown by --help-all.
-MODEL, GENERATION, SNAPSHOT, STORE, OUTPUT = "Model", "Generation", "Snapshot", "Store", "Output"
-ADVANCED = "Advanced"
+MODEL, GENERATION, SNAPSHOT, STORE, OUTPUT, ADVANCED = "Model", "Generation", "Snapshot", "Store", "Output", "Advanced"
 
 MODEL_HELP = (
     f"Model: {config.DEFAULT_MODEL} (default), a folder, a .gguf file, or a hub name: org/name or org/name:FILE.gguf."

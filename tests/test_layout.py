@@ -50,6 +50,7 @@ MAY_IMPORT_TORCH = {
     "kvsnap.engine.verify",
     "kvsnap.models.architecture",
     "kvsnap.models.attention",
+    "kvsnap.models.exact",
     "kvsnap.models.native",
     "kvsnap.models.packing",
 }
