@@ -2,8 +2,9 @@
 
 On a fast GPU a small model may prefill a prefix faster than it can be read from disk and decoded;
 on a CPU loading wins at every length. ``auto`` loads only where loading is predicted faster; the
-decision never changes the output (the same tokens either way), only the time. No torch here:
-the model is measured by ``kvsnap.engine.calibrate`` and kept as JSON under ``$KVSNAP_HOME``.
+decision never changes the output in float32 or with an exact (batch-invariant) forward, only the
+time. No torch here: the model is measured by ``kvsnap.engine.calibrate`` and kept as JSON under
+``$KVSNAP_HOME``.
 """
 
 from __future__ import annotations
