@@ -100,6 +100,12 @@ def test_a_repo_without_safetensors_names_its_gguf(hub):
     assert "kvsnap-test/only-gguf:tiny.Q4_0.gguf" in one_error_line(result)
 
 
+def test_a_gguf_not_in_the_repo_is_one_line(hub):
+    result = invoke("pull", f"{REPO}:missing.Q4_0.gguf")
+    assert result.exit_code == 1
+    assert f"{REPO} has no file missing.Q4_0.gguf" in one_error_line(result)
+
+
 def test_an_interrupted_download_resumes_where_it_stopped(hub, tiny_model_dir, monkeypatch, tmp_path):
     import huggingface_hub.constants
 

@@ -94,7 +94,8 @@ def fetch(repo: str, file: str | None = None, *, progress: Progress, refresh: bo
             f"{name} is not downloaded and HF_HUB_OFFLINE is set: unset it and run `kvsnap pull {name}`, "
             "or give a local model folder"
         )
-    made = not repo_cache(repo).exists()
+    # Noted before the download, so a cache entry a failed first attempt left is still known as kvsnap's.
+    catalog.record_hub_download(name, repo_cache(repo), made=not repo_cache(repo).exists(), complete=False)
     try:
         with _quiet_hub():
             path = _download(repo, file, name, progress)
@@ -106,7 +107,7 @@ def fetch(repo: str, file: str | None = None, *, progress: Progress, refresh: bo
             progress(f"{problem}; using the copy in the local cache")
             return cached
         raise ModelError(problem) from None
-    catalog.record_hub_download(name, repo_cache(repo), made)
+    catalog.record_hub_download(name, repo_cache(repo), made=False, complete=True)
     return path
 
 
