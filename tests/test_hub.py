@@ -91,6 +91,9 @@ def test_an_unknown_repo_is_one_line(hub):
     assert result.exit_code == 1
     line = one_error_line(result)
     assert "kvsnap-test/no-such-model: no such model on" in line and hub.url in line
+    from kvsnap.models.catalog import hub_record
+
+    assert "kvsnap-test/no-such-model" not in hub_record(), "a name that fetched nothing leaves no trace"
 
 
 def test_a_repo_without_safetensors_names_its_gguf(hub):

@@ -82,6 +82,15 @@ def record_hub_download(name: str, cache: Path, *, made: bool, complete: bool) -
         replace_whole(root / HUB_RECORD, [json.dumps(record, indent=1, sort_keys=True).encode()])
 
 
+def forget_hub_download(name: str) -> None:
+    """Drop ``name`` from the record, deleting nothing (a download that failed before writing anything)."""
+    root = models_root()
+    with locked(root, best_effort=True, timeout=10):
+        record = hub_record()
+        if record.pop(name, None) is not None:
+            replace_whole(root / HUB_RECORD, [json.dumps(record, indent=1, sort_keys=True).encode()])
+
+
 # -- listing ----------------------------------------------------------------------------------------
 
 

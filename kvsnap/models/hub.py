@@ -102,6 +102,8 @@ def fetch(repo: str, file: str | None = None, *, progress: Progress, refresh: bo
     except ModelError:
         raise
     except Exception as exc:
+        if not repo_cache(repo).exists():
+            catalog.forget_hub_download(name)  # nothing was written: no trace of a mistyped name
         problem = _problem(exc, repo, file)
         if cached is not None and problem.startswith("cannot reach"):
             progress(f"{problem}; using the copy in the local cache")
