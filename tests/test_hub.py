@@ -91,6 +91,9 @@ def test_an_unknown_repo_is_one_line(hub):
     assert result.exit_code == 1
     line = one_error_line(result)
     assert "kvsnap-test/no-such-model: no such model on" in line and hub.url in line
+    from kvsnap.models.catalog import hub_record
+
+    assert "kvsnap-test/no-such-model" not in hub_record(), "a name that fetched nothing leaves no trace"
 
 
 def test_a_repo_without_safetensors_names_its_gguf(hub):
@@ -98,6 +101,12 @@ def test_a_repo_without_safetensors_names_its_gguf(hub):
     result = invoke("pull", "kvsnap-test/only-gguf")
     assert result.exit_code == 1
     assert "kvsnap-test/only-gguf:tiny.Q4_0.gguf" in one_error_line(result)
+
+
+def test_a_gguf_not_in_the_repo_is_one_line(hub):
+    result = invoke("pull", f"{REPO}:missing.Q4_0.gguf")
+    assert result.exit_code == 1
+    assert f"{REPO} has no file missing.Q4_0.gguf" in one_error_line(result)
 
 
 def test_an_interrupted_download_resumes_where_it_stopped(hub, tiny_model_dir, monkeypatch, tmp_path):

@@ -68,16 +68,27 @@ def hub_record() -> dict[str, dict[str, Any]]:
     return {k: v for k, v in raw.items() if isinstance(v, dict) and isinstance(v.get("cache"), str)}
 
 
-def record_hub_download(name: str, cache: Path, made: bool) -> None:
-    """Note that ``name`` was fetched into the hub cache folder ``cache`` (``made``: it was not there
-    before). A name seen again keeps its first ``made``: kvsnap did not make what was there already."""
+def record_hub_download(name: str, cache: Path, *, made: bool, complete: bool) -> None:
+    """Note that ``name`` is fetched into the hub cache folder ``cache`` (``made``: it was not there
+    before; ``complete``: the download finished). A name seen again keeps its first ``made``: kvsnap did
+    not make what was there already, and what it made stays its own."""
     root = models_root()
     root.mkdir(parents=True, exist_ok=True)
     with locked(root, best_effort=True, timeout=10):
         record = hub_record()
-        made = bool(record.get(name, {}).get("made", made))
-        record[name] = {"cache": str(cache), "made": made}
+        earlier = record.get(name, {})
+        made = bool(earlier.get("made", made))
+        record[name] = {"cache": str(cache), "made": made, "complete": complete or bool(earlier.get("complete"))}
         replace_whole(root / HUB_RECORD, [json.dumps(record, indent=1, sort_keys=True).encode()])
+
+
+def forget_hub_download(name: str) -> None:
+    """Drop ``name`` from the record, deleting nothing (a download that failed before writing anything)."""
+    root = models_root()
+    with locked(root, best_effort=True, timeout=10):
+        record = hub_record()
+        if record.pop(name, None) is not None:
+            replace_whole(root / HUB_RECORD, [json.dumps(record, indent=1, sort_keys=True).encode()])
 
 
 # -- listing ----------------------------------------------------------------------------------------
@@ -88,7 +99,7 @@ class ModelEntry:
     """One model kvsnap keeps: ``name`` is what ``--model`` takes and what its snapshots record."""
 
     name: str
-    kind: str  # "default", "gguf" (a converted .gguf file) or "hub" (a hub download)
+    kind: str  # "default", "gguf" (a converted .gguf file), "hub" (a hub download) or "partial" (one unfinished)
     path: Path
     bytes: int
     source: str | None = None
@@ -127,8 +138,9 @@ def list_models() -> list[ModelEntry]:
             )
     for name, info in sorted(hub_record().items()):
         cache = Path(info["cache"])
-        if ":" not in name and cache.is_dir():
-            found.append(ModelEntry(name, "hub", cache, folder_bytes(cache), info.get("revision")))
+        if cache.is_dir():  # a hub GGUF shows twice: its download here, its conversion above
+            kind = "hub" if info.get("complete") else "partial"  # a download that has not finished yet
+            found.append(ModelEntry(name, kind, cache, folder_bytes(cache)))
     return found
 
 
@@ -176,7 +188,7 @@ def remove_model(name: str) -> Removal:
         raise ModelError(f"no model {name!r} among those kvsnap keeps (kvsnap models lists them: {known})")
     removed: list[Path] = []
     for entry in matches:
-        if entry.kind != "hub":
+        if entry.kind not in ("hub", "partial"):
             _remove_conversion(entry.path)
             removed.append(entry.path)
     gone, kept = _forget_hub({e.name for e in matches} & set(record))

@@ -94,19 +94,22 @@ def fetch(repo: str, file: str | None = None, *, progress: Progress, refresh: bo
             f"{name} is not downloaded and HF_HUB_OFFLINE is set: unset it and run `kvsnap pull {name}`, "
             "or give a local model folder"
         )
-    made = not repo_cache(repo).exists()
+    # Noted before the download, so a cache entry a failed first attempt left is still known as kvsnap's.
+    catalog.record_hub_download(name, repo_cache(repo), made=not repo_cache(repo).exists(), complete=False)
     try:
         with _quiet_hub():
             path = _download(repo, file, name, progress)
     except ModelError:
         raise
     except Exception as exc:
+        if not repo_cache(repo).exists():
+            catalog.forget_hub_download(name)  # nothing was written: no trace of a mistyped name
         problem = _problem(exc, repo, file)
         if cached is not None and problem.startswith("cannot reach"):
             progress(f"{problem}; using the copy in the local cache")
             return cached
         raise ModelError(problem) from None
-    catalog.record_hub_download(name, repo_cache(repo), made)
+    catalog.record_hub_download(name, repo_cache(repo), made=False, complete=True)
     return path
 
 

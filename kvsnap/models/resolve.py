@@ -76,7 +76,7 @@ def resolve_model(
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelError(f"{path}: not a .gguf file or a model folder")
-        return _converted(path, str(path), progress)
+        return _converted(path, str(path.absolute()), progress)
     named = hub.parse_name(spec)
     if named is not None and not path.exists():
         repo, file = named
