@@ -16,21 +16,37 @@ DEFAULT_PORT = 8080
 DEFAULT_MAX_QUEUE = 16
 DEFAULT_MAX_CONNECTIONS = 1000
 
+SERVER = "Server"
 Host = Annotated[
     str,
     typer.Option(
-        help="Address to listen on. 127.0.0.1 (default) answers this machine only; any other needs an API key."
+        metavar="ADDR",
+        help="Address to listen on; any but loopback needs an API key (default 127.0.0.1).",
+        show_default=False,
+        rich_help_panel=SERVER,
     ),
 ]
-Port = Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on (0: any free port, shown at start).")]
+Port = Annotated[
+    int,
+    typer.Option(
+        callback=o.within(0, 65535),
+        metavar="PORT",
+        help="Port to listen on; 0: any free one, shown at start (default 8080).",
+        show_default=False,
+        rich_help_panel=SERVER,
+    ),
+]
 ApiKey = Annotated[
     list[str] | None,
     typer.Option(
         "--api-key",
         envvar="KVSNAP_API_KEY",
-        help="Accept only requests with Authorization: Bearer KEY (repeatable; each key gets its own cache "
-        "namespace, so users never share blocks). A key on the command line shows in `ps`: prefer "
-        "--api-keys-file or env KVSNAP_API_KEY on a shared machine.",
+        show_envvar=False,
+        metavar="KEY",
+        help="Require Authorization: Bearer KEY (repeatable; each key gets its own cache namespace, so users "
+        "never share blocks). A key on the command line shows in `ps`: on a shared machine use "
+        "--api-keys-file or env KVSNAP_API_KEY.",
+        rich_help_panel=SERVER,
     ),
 ]
 AdminKey = Annotated[
@@ -44,11 +60,18 @@ AdminKey = Annotated[
     ),
 ]
 ApiKeysFile = Annotated[
-    Path | None, typer.Option(help="File of API keys, one per line (# comments); combined with --api-key.")
+    Path | None,
+    typer.Option(metavar="FILE", help="API keys, one per line (# comments), with --api-key's.", rich_help_panel=SERVER),
 ]
 MaxQueue = Annotated[
     int,
-    typer.Option(min=0, help="Requests that may wait while one is answered; past that, 503 with Retry-After."),
+    typer.Option(
+        callback=o.within(0),
+        metavar="N",
+        help="Requests waiting while one is answered; then 503 (default 16).",
+        show_default=False,
+        rich_help_panel=SERVER,
+    ),
 ]
 MaxConnections = Annotated[
     int,
@@ -61,7 +84,7 @@ MaxConnections = Annotated[
 NoStore = Annotated[
     bool,
     typer.Option(
-        "--no-store", metavar="", help="No block store: the prefix cache lives in memory only and dies with the server."
+        "--no-store", metavar="", help="The prefix cache in memory only, gone with the server.", rich_help_panel=o.STORE
     ),
 ]
 
