@@ -188,15 +188,15 @@ def test_bfloat16_resume_continues_as_the_session_kept_in_memory(tiny_lm, tmp_pa
 def test_cli_exact_flag_load_and_recompute_alike_in_bfloat16(tiny_model_dir, tmp_path):
     runner = CliRunner()
     base = ["--model", str(tiny_model_dir("llama")), "--device", "cpu", "--dtype", "bfloat16", "--block-size", "16"]
-    base += ["--exact", "--temperature", "0", "--chunk-size", "8"]
-    primed = runner.invoke(
-        app, ["run", *base, "--prompt", SYSTEM, "--max-new-tokens", "0", "--save", str(tmp_path / "p.kv")]
-    )
+    base += ["--exact", "--temperature", "0"]
+    # Primed in chunks of 5, answered in chunks of 8: the loaded prefix and the recomputed one are cut apart.
+    prime = ["--prompt", SYSTEM, "--max-new-tokens", "0", "--chunk-size", "5", "--save", str(tmp_path / "p.kv")]
+    primed = runner.invoke(app, ["run", *base, *prime])
     assert primed.exit_code == 0, primed.output
     rows, saved = {}, {}
     for reuse in ("load", "recompute"):
         saved[reuse] = tmp_path / f"{reuse}.kv"
-        args = ["run", *base, "--prompt", f"{SYSTEM} {QUESTIONS[0]}", "--max-new-tokens", "10"]
+        args = ["run", *base, "--prompt", f"{SYSTEM} {QUESTIONS[0]}", "--max-new-tokens", "10", "--chunk-size", "8"]
         args += ["--resume", str(tmp_path / "p.kv")]
         out = runner.invoke(app, [*args, "--reuse", reuse, "--save", str(saved[reuse]), "--json"])
         assert out.exit_code == 0, out.output

@@ -92,10 +92,12 @@ class Linear(nn.Module):
         if packed is not None and source is not None and not source.matches(self.weight):
             packed = self.packed = self.packed_of = None  # moved, cast (even back) or loaded since: stale, drop it
         if packed is not None and source is not None and x.dtype == packed.dtype:
-            product = functools.partial(packing.linear, packed=packed, bias=self.bias)
-        else:
-            product = functools.partial(F.linear, weight=self.weight, bias=self.bias)
-        return invariant.in_row_tiles(x, product) if exact else product(x)
+            if not exact:
+                return packing.linear(x, packed, self.bias)
+            return invariant.in_row_tiles(x, functools.partial(packing.linear, packed=packed, bias=self.bias))
+        if not exact:
+            return F.linear(x, self.weight, self.bias)
+        return invariant.in_row_tiles(x, functools.partial(F.linear, weight=self.weight, bias=self.bias))
 
 
 class Embedding(nn.Module):
