@@ -24,7 +24,7 @@ from benchmarks.common import best_of_each, describe, document, kept, machine, t
 from kvsnap.config import DEFAULT_CHUNK_SIZE  # noqa: E402
 from kvsnap.engine.session import Session  # noqa: E402
 from kvsnap.models import load_model  # noqa: E402
-from kvsnap.models.prepare import forward_kind  # noqa: E402
+from kvsnap.engine.prepare import forward_kind  # noqa: E402
 
 ODD_CHUNK = 97  # a chunk size that divides nothing here
 MODES = ("plain", "exact")
