@@ -7,8 +7,6 @@ examples/NAME.py ARGS`` would run it: no new interpreter importing torch again f
 from __future__ import annotations
 
 import json
-import runpy
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,20 +16,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def run_example(monkeypatch, capsys):
+def run_example(run_script):
     """``run_example(NAME, *ARGS, home=KVSNAP_HOME)``: the script's standard output; it must not fail."""
 
     def run(name: str, *args: str, home: Path) -> str:
-        script = ROOT / "examples" / name
-        with monkeypatch.context() as patched:
-            patched.setenv("KVSNAP_HOME", str(home))
-            patched.setattr(sys, "argv", [str(script), *args])
-            capsys.readouterr()
-            try:
-                runpy.run_path(str(script), run_name="__main__")
-            except SystemExit as exc:  # argparse and friends end the script this way
-                assert exc.code in (None, 0), capsys.readouterr().err[-2000:]
-        return capsys.readouterr().out
+        ran = run_script(ROOT / "examples" / name, *args, env={"KVSNAP_HOME": str(home)})
+        assert ran.returncode == 0, ran.stderr[-2000:]
+        return ran.stdout
 
     return run
 
