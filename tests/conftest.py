@@ -145,6 +145,34 @@ def llama(tiny_lm):
     return tiny_lm("llama")
 
 
+@pytest.fixture
+def run_script(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Callable[..., object]:
+    """``run_script(PATH, *ARGS, env={...})``: ``python PATH ARGS`` run as ``__main__`` in this process
+    (``runpy``) with ``env`` added to the environment; its exit code and what it printed, named as
+    ``subprocess.CompletedProcess`` names them. An exception the script lets escape is raised here.
+    Processes the script starts write to the test's own output, not to what is returned."""
+    import runpy
+
+    from cli_helpers import Ran
+
+    def run(script: Path, *args: str, env: dict[str, str] | None = None) -> Ran:
+        code: object = 0
+        with monkeypatch.context() as patched:
+            for name, value in (env or {}).items():
+                patched.setenv(name, value)
+            patched.setattr(sys, "argv", [str(script), *args])
+            capsys.readouterr()
+            try:
+                runpy.run_path(str(script), run_name="__main__")
+            except SystemExit as exc:
+                code = exc.code
+        out = capsys.readouterr()
+        returncode = code if isinstance(code, int) else (0 if code is None else 1)
+        return Ran(returncode, out.out, out.err if code is None or isinstance(code, int) else out.err + str(code))
+
+    return run
+
+
 class ForwardCounter:
     """Tokens (and calls) that reached a model's forward, seen from a forward pre-hook."""
 

@@ -3,14 +3,13 @@
 Not a timing test: no figure here is compared with a speed. What is checked is that each script
 finishes, writes its JSON where it is told, and that what it reports is consistent (the resume
 really reused the prefix, an incremental save encoded only the new block, the device check passed).
+Each script runs as ``__main__`` in this process (``run_script``, conftest.py); the new processes
+the scripts start for their own figures are started as they always are.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,19 +19,12 @@ pytestmark = pytest.mark.bench
 
 
 @pytest.fixture
-def bench(tmp_path, kvsnap_home):
+def bench(tmp_path, kvsnap_home, run_script):
     results = tmp_path / "results"
 
     def run(script: str, *args: str) -> tuple[str, dict]:
-        env = {**os.environ, "KVSNAP_HOME": str(kvsnap_home), "KVSNAP_BENCH_RESULTS": str(results)}
-        proc = subprocess.run(
-            [sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), *args],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=ROOT,
-            timeout=600,
-        )
+        env = {"KVSNAP_HOME": str(kvsnap_home), "KVSNAP_BENCH_RESULTS": str(results)}
+        proc = run_script(ROOT / "benchmarks" / f"{script}.py", *args, env=env)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         return proc.stdout, json.loads((results / f"{script}.json").read_text())
 
@@ -52,14 +44,14 @@ def test_resume_benchmark(bench, tiny_model_dir):
         assert row[key] > 0, key
 
 
-def test_resume_benchmark_refuses_a_length_that_leaves_no_room_for_the_answer(tiny_model_dir, kvsnap_home, tmp_path):
+def test_resume_benchmark_refuses_a_length_that_leaves_no_room_for_the_answer(
+    tiny_model_dir, kvsnap_home, tmp_path, run_script
+):
     # The tiny model's context is 4096 tokens: a 4096-token prompt has no position left for the
     # answer's first token, so no TTFT exists. Refused before any work, not after minutes of it.
-    env = {**os.environ, "KVSNAP_HOME": str(kvsnap_home), "KVSNAP_BENCH_RESULTS": str(tmp_path)}
+    env = {"KVSNAP_HOME": str(kvsnap_home), "KVSNAP_BENCH_RESULTS": str(tmp_path)}
     args = ["--model", str(tiny_model_dir("llama")), "--lengths", "160", "4096"]
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "resume.py"), *args], capture_output=True, text=True, env=env
-    )
+    proc = run_script(ROOT / "benchmarks" / "resume.py", *args, env=env)
     assert proc.returncode == 2 and "shorter than the model's context (4096)" in proc.stderr, proc.stderr[-2000:]
     assert not list(tmp_path.iterdir())
 
@@ -119,15 +111,17 @@ def test_device_check_passes_on_cpu(bench, tiny_model_dir):
     assert data["figures"]["first_restore_s"] > 0
 
 
-def test_shaped_model_has_the_shapes_and_tokenizer_of_its_source(tmp_path, tiny_model_dir, kvsnap_home):
+def test_shaped_model_has_the_shapes_and_tokenizer_of_its_source(tmp_path, tiny_model_dir, kvsnap_home, run_script):
     """The GPU check's stand-in model: the source's config and tokenizer, new random weights."""
     src = tiny_model_dir("llama")
     small, built = tmp_path / "small", tmp_path / "built"
-    env = {**os.environ, "KVSNAP_HOME": str(kvsnap_home)}
-    script = str(ROOT / "benchmarks" / "shaped_model.py")
-    for args in (["--export", str(small), "--model", str(src)], [str(small), str(built)]):
-        proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, env=env, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-2000:]
+    script = ROOT / "benchmarks" / "shaped_model.py"
+    import torch
+
+    with torch.random.fork_rng(devices=[]):  # the build seeds torch's generator: not for the tests after it
+        for args in (["--export", str(small), "--model", str(src)], [str(small), str(built)]):
+            proc = run_script(script, *args, env={"KVSNAP_HOME": str(kvsnap_home)})
+            assert proc.returncode == 0, proc.stderr[-2000:]
     assert not (small / "model.safetensors").exists()  # only the small files travel
     from kvsnap.models import load_model
 

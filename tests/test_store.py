@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import struct
 import subprocess
@@ -103,12 +104,18 @@ NAMES = ["s0", "s1", "s2"]
 PROMPTS = st.lists(st.integers(0, 2), max_size=9)
 
 
+# The state machine's stores: in memory (tmpfs) where there is one. It checks eviction and what the
+# folder holds, not durability (test_store_faults.py and test_reliability.py break writes and kill
+# writers); its ~3,000 operations each fsync several files, which on a busy disk took minutes.
+_MACHINE_TMP = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
 class StoreMachine(RuleBasedStateMachine):
     """A real store next to a model of what leaf-only LRU must leave in it."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.tmp = Path(tempfile.mkdtemp(prefix="kvsnap-store-test-"))
+        self.tmp = Path(tempfile.mkdtemp(prefix="kvsnap-store-test-", dir=_MACHINE_TMP))
         self.store: BlockStore | None = None
         self.budget = 0
         self.blocks: dict[bytes, tuple[bytes, int]] = {}  # hash -> (parent, stored bytes)
