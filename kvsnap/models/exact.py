@@ -20,8 +20,10 @@ one. Here every reduction a token's values go through is taken in an order fixed
   ``F.silu`` computes the tail of a tensor by another formula, so it is spelled out); norms reduce one
   row in float32 whatever the row count.
 
-tests/test_exact_dtype.py checks it on every CPU the suite runs on: bitwise equal KV for the cuts
-above, in float32 and bfloat16, and resumed == cold. What it costs: ``benchmarks/exact.py``.
+What holds is one machine's, torch build's and thread count's: another CPU or library rounds its own
+way, as for any forward. tests/test_exact_dtype.py checks it on every CPU the suite runs on: bitwise
+equal KV for the cuts above, in float32 and bfloat16, and resumed == cold. What it costs (more calls,
+each smaller, and a decode step computing ``EXACT_ROWS`` rows): ``benchmarks/exact.py``.
 """
 
 from __future__ import annotations
