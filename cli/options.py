@@ -75,6 +75,13 @@ Verify = Annotated[
         show_default=False,
     ),
 ]
+Encrypt = Annotated[
+    bool,
+    typer.Option(
+        help="Encrypt saved snapshots (AES-256-GCM) with the key in the file $KVSNAP_KEY_FILE names (0600; "
+        "`kvsnap keygen FILE` makes one). A snapshot resumed encrypted is saved encrypted anyway.",
+    ),
+]
 Explain = Annotated[
     bool,
     typer.Option(
@@ -152,6 +159,7 @@ class SessionOptions:
     store_session: str | None
     verify: bool | None
     explain: bool
+    encrypt: bool
 
     defaults: SamplingParams = config.RUN_SAMPLING  # what an unset sampling flag falls back to
 
@@ -166,8 +174,14 @@ class SessionOptions:
             chosen[key] = value
         return SamplingParams(max_new_tokens=self.max_new_tokens, seed=self.seed, stop=stop, **chosen)
 
-    def session_config(self) -> config.SessionConfig:
-        """The session flags, checked before any model is loaded (``ConfigError``)."""
+    def session_config(self, resume: Path | None = None) -> config.SessionConfig:
+        """The session flags, checked before any model is loaded (``ConfigError``). Saves are sealed
+        with --encrypt, or when ``resume`` is an encrypted snapshot (its conversation stays sealed)."""
+        key = None
+        if self.encrypt or (resume is not None and is_sealed(resume)):
+            from kvsnap.sealing import key_from_env
+
+            key = key_from_env(required="--encrypt" if self.encrypt else f"resuming the encrypted {resume}")
         cfg = config.SessionConfig(
             block_size=self.block_size,
             chunk_size=self.chunk_size,
@@ -177,6 +191,7 @@ class SessionOptions:
             reuse=self.reuse,
             verify=self.verify,
             explain=self.explain,
+            key=key,
         )
         return cfg.check(with_store=self.store is not None)
 
@@ -214,6 +229,7 @@ def _shared(sampling: SamplingParams, model_defaults: bool) -> list[tuple[str, A
         ("store_session", StoreSession, None),
         ("verify", Verify, None),
         ("explain", Explain, False),
+        ("encrypt", Encrypt, False),
         ("block_size", BlockSize, config.DEFAULT_BLOCK_SIZE),
         ("codec", Codec, config.DEFAULT_CODEC),
         ("kv_dtype", KvDtype, None),
@@ -267,3 +283,15 @@ def parse_size(value: str | int) -> int:
     number, unit, binary = m.groups()
     scale = 1024 ** "kmgt".index(unit.lower()) * 1024 if binary and unit else _UNITS[unit.lower()]
     return int(float(number) * scale)
+
+
+def is_sealed(path: Path) -> bool:
+    """Whether ``path`` is an encrypted snapshot (False for anything else, a missing file included)."""
+    from kvsnap.errors import KvsnapError
+    from kvsnap.format.sealed import clear_facts
+
+    try:
+        clear_facts(path)
+    except (KvsnapError, OSError):
+        return False
+    return True

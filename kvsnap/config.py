@@ -14,6 +14,7 @@ from kvsnap import limits
 from kvsnap.errors import ConfigError
 
 if TYPE_CHECKING:
+    from kvsnap.sealing import SealKey
     from kvsnap.types import KVLayout
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -98,6 +99,7 @@ class SessionConfig:
     explain: bool = False  # say where reuse stopped and why (TurnResult.miss)
     # A refused snapshot or a failed verify: "error" raises, "recompute" runs the prompt cold and says why.
     on_mismatch: str = "error"
+    key: SealKey | None = None  # seals the .kv files this session saves (kvsnap.format.sealed)
 
     def check(self, *, with_store: bool = False) -> SessionConfig:
         """Raise ``ConfigError`` for a setting that cannot work; returns self."""

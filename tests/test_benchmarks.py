@@ -187,3 +187,13 @@ def test_packing_benchmark_compares_packed_and_unpacked_forwards(bench, tiny_mod
     for name in ("unpacked", "packed"):
         assert row[f"{name}_suffix_s"] > 0 and row[f"{name}_chunk_s"] > 0 and row[f"{name}_decode_s"] > 0
         assert row[f"{name}_linear_ms"] > 0  # the profile found the linear layers of both (mm or oneDNN)
+
+
+def test_sealed_benchmark_restores_plain_and_sealed(bench, tiny_model_dir):
+    # The script itself checks that each restore gave back the document's tokens.
+    out, data = bench("sealed", "--model", str(tiny_model_dir("llama")), "--lengths", "160", "--repeats", "1")
+    assert out.startswith("machine: ")
+    (row,) = data["rows"]
+    assert row["tokens"] == 160 and row["sealed_file_mb"] > row["file_mb"]
+    for key in ("plain_restore_s", "sealed_restore_s", "plain_save_s", "sealed_save_s"):
+        assert row[key] > 0, key

@@ -13,6 +13,7 @@ import torch
 from kvsnap.engine.cache import KVCache
 from kvsnap.engine.encoded import EncodedBlocks
 from kvsnap.models.load import LoadedModel
+from kvsnap.sealing import SealKey
 from kvsnap.types import BlockFormat, EncodedBlock
 
 
@@ -26,6 +27,7 @@ class Contents:
     last_logits: torch.Tensor | None  # after tokens[-1]
     messages: list[dict[str, str]] | None
     made_by: dict[str, Any] | None  # what computed the KV (kvsnap.engine.verify.recorded); None: unknown
+    key: SealKey | None = None  # a .kv file written of it is sealed with this key
 
     def encode(self, tokens: list[int] | None = None, first: int = 0) -> tuple[list[EncodedBlock], int]:
         """Blocks ``first``.. of ``tokens`` (default: all) as stored, and how many had to be encoded now."""
