@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from kvsnap_cli import calibrate_cmd, chat, inspect_cmd, models_cmd, pull, run, serve, store_cmd
+from kvsnap_cli import calibrate_cmd, chat, inspect_cmd, keygen_cmd, models_cmd, pull, run, serve, store_cmd
 from kvsnap_cli.common import state
 
 app = typer.Typer(
@@ -62,6 +62,7 @@ commands = (
     ("inspect", inspect_cmd.inspect),
     ("pull", pull.pull),
     ("calibrate", calibrate_cmd.calibrate),
+    ("keygen", keygen_cmd.keygen),
 )
 for name, command in commands:
     app.command(name, help=unwrap(command.__doc__))(command)

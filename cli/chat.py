@@ -88,7 +88,7 @@ def chat(
     from kvsnap_cli.batch import check_save_target
 
     check_choice("--on-mismatch", on_mismatch, ("ask", *ON_MISMATCH))
-    session_config = opts.session_config()
+    session_config = opts.session_config(resume)
     check_save_target(save or resume)
     if opts.store_session is not None and opts.store is None:
         raise ConfigError("--store-session needs --store DIR")

@@ -46,8 +46,9 @@ def default_store() -> Path:
     return Path(os.environ.get("KVSNAP_STORE") or kvsnap_home() / "store")
 
 
-def open_store(path, budget: str | None):
-    """The block store behind --store/--store-budget, or None; a budget that cannot be written is a warning."""
+def open_store(path, budget: str | None, key=None):
+    """The block store behind --store/--store-budget (encrypted with ``key``, --encrypt), or None; a
+    budget that cannot be written is a warning."""
     from kvsnap.engine.assemble import open_store as open_block_store
     from kvsnap_cli.options import parse_size
 
@@ -56,7 +57,7 @@ def open_store(path, budget: str | None):
         from kvsnap.errors import ConfigError
 
         raise ConfigError("--store-budget needs --store DIR")
-    return open_block_store(path, budget_bytes, on_problem=ui.note)
+    return open_block_store(path, budget_bytes, on_problem=ui.note, key=key)
 
 
 def measure_costs(lm) -> None:
@@ -83,7 +84,7 @@ def open_session(
     from kvsnap.engine.assemble import open_session as assemble
 
     session_config = session_config or opts.session_config()
-    block_store = open_store(opts.store, opts.store_budget) if store == "from options" else store
+    block_store = open_store(opts.store, opts.store_budget, session_config.key) if store == "from options" else store
     startup.stamp("load")
     with ui.status(f"loading {opts.model}") as update:
         session = assemble(

@@ -38,16 +38,29 @@ def inspect(
     prompt, its hit stats and where and why reuse stops (the first differing token, the text around it, a likely
     cause)."""
     from kvsnap.engine import describe
-    from kvsnap.errors import ConfigError
+    from kvsnap.errors import ConfigError, SnapshotKeyError
     from kvsnap.format.reader import Snapshot
+    from kvsnap.format.sealed import clear_facts
     from kvsnap.models.locate import locate_tokenizer
     from kvsnap_cli.batch import check_text, read_prompt_file
 
     check_text("--prompt", prompt)
     check_text("--namespace", namespace)
-    with Snapshot(file) as snap:
-        model = snap.meta.model
-        hint = snap.meta.extra.get("model_folder")
+    try:
+        with Snapshot(file) as snap:
+            model = snap.meta.model
+            hint = snap.meta.extra.get("model_folder")
+    except SnapshotKeyError as exc:
+        if prompt is not None or prompt_file is not None or verify:
+            raise
+        # Without its key, what is not secret: the format, the key's id, the sizes.
+        facts = clear_facts(file)
+        if json_out:
+            ui.print_json(facts)
+        else:
+            ui.print_sealed(facts)
+        ui.note(str(exc).removeprefix(f"{file}: "))
+        return
     tokenizer, why = locate_tokenizer(model, hint if isinstance(hint, str) else None)
     prompt_ids = None
     if prompt is not None or prompt_file is not None:

@@ -139,6 +139,16 @@ Verify = Annotated[
         rich_help_panel=ADVANCED,
     ),
 ]
+Encrypt = Annotated[
+    bool,
+    typer.Option(
+        "--encrypt",
+        metavar="",
+        help="Seal saved snapshots and new stores (AES-256-GCM) with the key file $KVSNAP_KEY_FILE names "
+        "(0600; `kvsnap keygen FILE`). A snapshot resumed encrypted stays encrypted.",
+        rich_help_panel=SNAPSHOT,
+    ),
+]
 Explain = Annotated[
     bool,
     typer.Option("--explain", metavar="", help="Say where reuse stopped, and why.", rich_help_panel=OUTPUT),
@@ -234,6 +244,7 @@ class SessionOptions:
     verify: bool | None
     explain: bool
     exact: bool
+    encrypt: bool
 
     defaults: SamplingParams = config.RUN_SAMPLING  # what an unset sampling flag falls back to
 
@@ -248,8 +259,14 @@ class SessionOptions:
             chosen[key] = value
         return SamplingParams(max_new_tokens=self.max_new_tokens, seed=self.seed, stop=stop, **chosen)
 
-    def session_config(self) -> config.SessionConfig:
-        """The session flags, checked before any model is loaded (``ConfigError``)."""
+    def session_config(self, resume: Path | None = None) -> config.SessionConfig:
+        """The session flags, checked before any model is loaded (``ConfigError``). Saves are sealed
+        with --encrypt, or when ``resume`` is an encrypted snapshot (its conversation stays sealed)."""
+        key = None
+        if self.encrypt or (resume is not None and is_sealed(resume)):
+            from kvsnap.sealing import key_from_env
+
+            key = key_from_env(required="--encrypt" if self.encrypt else f"resuming the encrypted {resume}")
         cfg = config.SessionConfig(
             block_size=self.block_size,
             chunk_size=self.chunk_size,
@@ -260,6 +277,7 @@ class SessionOptions:
             verify=self.verify,
             explain=self.explain,
             exact=self.exact,
+            key=key,
         )
         return cfg.check(with_store=self.store is not None)
 
@@ -342,6 +360,7 @@ def _shared(sampling: SamplingParams, model_defaults: bool) -> list[tuple[str, A
         ("ctx_size", CtxSize, None),
         ("namespace", Namespace, ""),
         ("exact", Exact, False),
+        ("encrypt", Encrypt, False),
         ("block_size", BlockSize, config.DEFAULT_BLOCK_SIZE),
         ("codec", Codec, config.DEFAULT_CODEC),
         ("kv_dtype", KvDtype, None),
@@ -398,3 +417,15 @@ def parse_size(value: str | int) -> int:
     number, unit, binary = m.groups()
     scale = 1024 ** "kmgt".index(unit.lower()) * 1024 if binary and unit else _UNITS[unit.lower()]
     return int(float(number) * scale)
+
+
+def is_sealed(path: Path) -> bool:
+    """Whether ``path`` is an encrypted snapshot (False for anything else, a missing file included)."""
+    from kvsnap.errors import KvsnapError
+    from kvsnap.format.sealed import clear_facts
+
+    try:
+        clear_facts(path)
+    except (KvsnapError, OSError):
+        return False
+    return True

@@ -84,7 +84,7 @@ def run(
     check_choice("--on-mismatch", on_mismatch, ON_MISMATCH)
     if resume_if_exists and resume is None and batch is None:
         raise ConfigError('--resume-if-exists needs --resume FILE (or --batch jobs with "resume")')
-    session_config = dataclasses.replace(opts.session_config(), on_mismatch=on_mismatch)
+    session_config = dataclasses.replace(opts.session_config(resume), on_mismatch=on_mismatch)
     check_save_target(save)
     for flag, text in (("--prompt", prompt), ("--system", system), ("--namespace", opts.namespace)):
         check_text(flag, text)  # before the model loads, not in the tokenizer after it

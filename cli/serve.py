@@ -81,6 +81,13 @@ MaxConnections = Annotated[
         "that has owed its request longest. A request's headers must arrive within 10 s, its body within 60 s.",
     ),
 ]
+Encrypt = Annotated[
+    bool,
+    typer.Option(
+        help="Encrypt the block store (AES-256-GCM, names keyed) with the key in the file $KVSNAP_KEY_FILE names "
+        "(`kvsnap keygen FILE`); a new store only, an encrypted store opens with its key anyway.",
+    ),
+]
 NoStore = Annotated[
     bool,
     typer.Option(
@@ -101,6 +108,7 @@ def serve(
     max_connections: MaxConnections = DEFAULT_MAX_CONNECTIONS,
     store: o.Store = None,
     no_store: NoStore = False,
+    encrypt: Encrypt = False,
     store_budget: o.StoreBudget = None,
     namespace: o.Namespace = "",
     block_size: o.BlockSize = config.DEFAULT_BLOCK_SIZE,
@@ -124,6 +132,7 @@ def serve(
     from types import SimpleNamespace
 
     from kvsnap.errors import ConfigError
+    from kvsnap.sealing import key_from_env
     from kvsnap.serve import ApiKeys, is_loopback, read_keys_file
     from kvsnap_cli.batch import check_text
     from kvsnap_cli.common import default_store, open_session, open_store
@@ -136,17 +145,18 @@ def serve(
             f"--host {host} can be reached from other machines: give --api-key or --api-keys-file too "
             "(or keep the default 127.0.0.1)"
         )
-    if no_store and (store is not None or store_budget is not None):
-        raise ConfigError("--no-store cannot be combined with --store or --store-budget")
+    if no_store and (store is not None or store_budget is not None or encrypt):
+        raise ConfigError("--no-store cannot be combined with --store, --store-budget or --encrypt")
     check_text("--namespace", namespace)
     keys = ApiKeys(keys_given, namespace, admin_keys=list(admin_key or []))
-    session_config = config.SessionConfig(block_size=block_size, chunk_size=chunk_size, namespace=namespace)
+    key = key_from_env(required="--encrypt") if encrypt else None
+    session_config = config.SessionConfig(block_size=block_size, chunk_size=chunk_size, namespace=namespace, key=key)
     session_config.check(with_store=not no_store)
     sock = _bind(host, port)  # a busy port fails now, not after the model load
     try:
         store_path = None if no_store else (store or default_store())
         opts = SimpleNamespace(model=model, device=device, dtype=dtype, ctx_size=ctx_size)
-        block_store = open_store(store_path, store_budget) if store_path is not None else None
+        block_store = open_store(store_path, store_budget, key) if store_path is not None else None
         session = open_session(opts, session_config, workload="serve", store=block_store)
         _run(session.lm, session_config, block_store, keys, max_queue, max_connections, sock, model)
     finally:

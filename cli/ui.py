@@ -235,7 +235,7 @@ def print_inspect(info: dict[str, Any]) -> None:
         ("file", info["path"]),
         ("model", info["model"]),
         ("fingerprint", info["fingerprint"]),
-        ("format", f"version {info['format_version']}"),
+        ("format", f"version {info['format_version']}" + _sealed(info)),
         ("tokens", f"{info['tokens']:,}"),
         ("blocks", f"{info['blocks']:,} x {info['block_size']} tokens"),
         ("cache", f"{lay['layers']} layers x {lay['kv_heads']} kv heads x {lay['head_dim']} ({lay['dtype']})"),
@@ -267,6 +267,22 @@ def print_inspect(info: dict[str, Any]) -> None:
         console.print(Text.assemble(("prompt", "bold"), " ", prompt_plan(info)), soft_wrap=True)
     for line in miss_lines(info["miss"]) if info.get("miss") else ():
         console.print(Text(line), soft_wrap=True)  # already escaped; Text: no markup
+
+
+def _sealed(info: dict[str, Any]) -> str:
+    sealed = info.get("encrypted")
+    return f", encrypted ({sealed['cipher']}, key {sealed['key_id']})" if sealed else ""
+
+
+def print_sealed(info: dict[str, Any]) -> None:
+    """What an encrypted snapshot shows without its key."""
+    rows = [
+        ("file", info["file"]),
+        ("format", f"version {info['format_version']}, encrypted ({info['cipher']}, key {info['key_id']})"),
+        ("blocks", f"{info['blocks']:,}"),
+        ("file", human_bytes(info["file_bytes"])),
+    ]
+    out().print(key_value_table(rows))
 
 
 def prompt_plan(info: dict[str, Any]) -> str:

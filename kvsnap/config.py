@@ -14,6 +14,7 @@ from kvsnap import limits
 from kvsnap.errors import ConfigError
 
 if TYPE_CHECKING:
+    from kvsnap.sealing import SealKey
     from kvsnap.types import KVLayout
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -106,6 +107,7 @@ class SessionConfig:
     # cut into chunks, so a resumed run equals a cold one bit for bit in bfloat16 too. Costs prefill and
     # decode time (benchmarks/exact.py); the native forward only.
     exact: bool = False
+    key: SealKey | None = None  # seals the .kv files this session saves (kvsnap.format.sealed)
 
     def check(self, *, with_store: bool = False) -> SessionConfig:
         """Raise ``ConfigError`` for a setting that cannot work; returns self."""

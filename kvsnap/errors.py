@@ -19,6 +19,10 @@ class SnapshotVersionError(SnapshotError):
     """The file's ``format_version`` is not one this kvsnap reads."""
 
 
+class SnapshotKeyError(SnapshotError):
+    """An encrypted snapshot without its key: none given, or another one."""
+
+
 class ForeignSnapshotError(SnapshotError):
     """The snapshot was written for another model, dtype, block size or namespace."""
 

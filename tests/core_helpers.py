@@ -81,6 +81,7 @@ def write_test_snapshot(
     fingerprint: str = FINGERPRINT,
     namespace: str = NAMESPACE,
     seed: int = 0,
+    key: Any = None,
 ) -> Written:
     layout = layout or make_layout()
     tokens = [int(t) for t in np.random.default_rng(seed + 1).integers(0, 50_000, num_tokens)]
@@ -108,6 +109,7 @@ def write_test_snapshot(
         blocks,
         last_logits=last_logits,
         messages=messages,
+        key=key,
     )
     return Written(path, tokens, raws, layout, root, blocks, size)
 

@@ -203,3 +203,13 @@ def test_context_shift_benchmark_times_both_ways_and_finds_the_rotation_exact(be
     # Layer 0's KV depends on the token alone: a right rotation leaves only rounding there.
     assert row["k_diff_layer0"] < 1e-4 * max(1.0, row["k_max_abs"])
     assert 0 <= row["same_answer_tokens"] <= row["answer_tokens"] == 8
+
+
+def test_sealed_benchmark_restores_plain_and_sealed(bench, tiny_model_dir):
+    # The script itself checks that each restore gave back the document's tokens.
+    out, data = bench("sealed", "--model", str(tiny_model_dir("llama")), "--lengths", "160", "--repeats", "1")
+    assert out.startswith("machine: ")
+    (row,) = data["rows"]
+    assert row["tokens"] == 160 and row["sealed_file_mb"] > row["file_mb"]
+    for key in ("plain_restore_s", "sealed_restore_s", "plain_save_s", "sealed_save_s"):
+        assert row[key] > 0, key

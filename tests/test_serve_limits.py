@@ -18,6 +18,16 @@ import pytest
 from test_serve import Server, model  # noqa: F401  (model: the module's fixture)
 
 HEALTH_S = 0.5  # /health and /v1/models answer within this, whatever else the server is doing
+
+
+def answered_at_once(latencies: list[float]) -> None:
+    """Every probe within ``HEALTH_S``, but for the odd one on a shared machine whose CPU went to
+    other work (never past 4x): a blocked event loop, what these tests catch, holds them all for
+    seconds."""
+    slow = [t for t in latencies if t >= HEALTH_S]
+    assert len(slow) <= len(latencies) // 20 and max(latencies) < 4 * HEALTH_S, sorted(latencies)[-5:]
+
+
 GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
@@ -113,7 +123,7 @@ def test_a_huge_request_is_refused_at_once_while_health_answers(server):
             t.join()
     finally:
         stream.close()
-    assert max(latencies) < HEALTH_S, max(latencies)
+    answered_at_once(latencies)
     took, status, _ = out["huge"]
     assert status in (413, "closed", "ConnectionResetError", "BrokenPipeError") and took < 10, out["huge"]
     took, status, reply = out["over"]
@@ -163,7 +173,7 @@ def test_trickling_connections_are_closed_and_health_answers(server):
             s.close()
     assert early >= 200, early  # past the cap of 100, within two seconds
     assert len(closed) == 300, len(closed)  # every one, at its deadline
-    assert max(latencies) < HEALTH_S, max(latencies)
+    answered_at_once(latencies)
 
 
 def test_a_request_in_line_at_shutdown_gets_a_503(model, tmp_path):  # noqa: F811

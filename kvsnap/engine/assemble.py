@@ -23,6 +23,7 @@ from kvsnap.errors import ConfigError, StoreError
 if TYPE_CHECKING:
     from kvsnap.engine.session import Session
     from kvsnap.models.load import LoadedModel
+    from kvsnap.sealing import SealKey
     from kvsnap.store import BlockStore
 
 # once: one prompt and exit; batch: many prompts, no user to wait on; chat: many turns, a user typing
@@ -33,18 +34,23 @@ Progress = Callable[[str], None]
 
 
 def open_store(
-    path: str | os.PathLike[str] | None, budget_bytes: int | None = None, *, on_problem: Progress | None = None
+    path: str | os.PathLike[str] | None,
+    budget_bytes: int | None = None,
+    *,
+    on_problem: Progress | None = None,
+    key: SealKey | None = None,
 ) -> BlockStore | None:
-    """The block store in folder ``path`` (created when new or empty), or None without a path. A budget
-    that cannot be written (a full disk) is reported to ``on_problem`` and the store still serves what it
-    holds; without ``on_problem`` it raises."""
+    """The block store in folder ``path`` (created when new or empty; encrypted with ``key``), or None
+    without a path. A budget that cannot be written (a full disk) is reported to ``on_problem`` and the
+    store still serves what it holds; without ``on_problem`` it raises."""
     if path is None:
         if budget_bytes is not None:
             raise ConfigError("a store budget needs a store folder (--store DIR)")
         return None
     from kvsnap.store import BlockStore
 
-    store = BlockStore(path)  # a folder that is not a store (a mistyped path) is an error, as it should be
+    # A folder that is not a store (a mistyped path) is an error, as it should be.
+    store = BlockStore(path, key=key)
     if budget_bytes is not None:
         try:
             store.set_budget(budget_bytes)
@@ -97,7 +103,7 @@ def open_session(
     if store is None or hasattr(store, "lookup"):
         block_store = store
     else:
-        block_store = open_store(store, store_budget, on_problem=say)
+        block_store = open_store(store, store_budget, on_problem=say, key=config.key)
     # A first use converts a GGUF model here, outside ``loading``: the dequantized copy it drops must be freed.
     resolve_model(model, progress=say, install=True)
     with loading() if loading is not None else contextlib.nullcontext():

@@ -13,6 +13,7 @@ import torch
 from kvsnap.engine.cache import KVCache
 from kvsnap.engine.encoded import EncodedBlocks
 from kvsnap.models.load import LoadedModel
+from kvsnap.sealing import SealKey
 from kvsnap.types import DROPPED_MESSAGES, BlockFormat, EncodedBlock
 
 
@@ -27,6 +28,7 @@ class Contents:
     messages: list[dict[str, str]] | None
     made_by: dict[str, Any] | None  # what computed the KV (kvsnap.engine.verify.recorded); None: unknown
     dropped_messages: int = 0  # of ``messages``, out of the model's view (kvsnap.types.chat_view)
+    key: SealKey | None = None  # a .kv file written of it is sealed with this key
 
     def extra(self) -> dict[str, Any]:
         """What a file or store session records beside the messages: how many are out of view."""

@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Any
 from kvsnap import prefix, provenance
 from kvsnap.config import DEFAULT_CHUNK_SIZE
 from kvsnap.engine import explain_sources
+from kvsnap.format.meta import SEALED_VERSION
 from kvsnap.format.reader import Snapshot
+from kvsnap.format.sealed import CIPHER
 from kvsnap.models.locate import LightTokenizer
 
 if TYPE_CHECKING:
@@ -58,6 +60,9 @@ def describe(
             "created_at": meta.created_at,
             "made_by": provenance.parse(meta.extra.get("made_by")),
         }
+        if snap.sealing is not None:
+            info["format_version"] = SEALED_VERSION
+            info["encrypted"] = {"cipher": CIPHER, "key_id": snap.sealing.key_id}
         if meta.messages is not None:
             info["messages"] = [dict(m) for m in meta.messages]
             info["dropped_messages"] = meta.dropped_messages  # out of the model's view (kvsnap.types.chat_view)

@@ -28,6 +28,7 @@ from kvsnap.models.load import LoadedModel
 from kvsnap.types import DROPPED_MESSAGES, BlockFormat, EncodedBlock, dropped_messages
 
 if TYPE_CHECKING:
+    from kvsnap.sealing import SealKey
     from kvsnap.store import BlockStore
 
 # Room past the prompt for a first answer, so it is written in place.
@@ -56,13 +57,15 @@ def from_snapshot(
     prompt_ids: Sequence[int] | None,
     *,
     load_ok: LoadOk | None = None,
+    key: SealKey | None = None,
 ) -> Restored:
     """The longest prefix of ``prompt_ids`` a snapshot holds (all of it, with its chat messages, when
     ``prompt_ids`` is None). Only the matched blocks are read. The snapshot's chain must be ``fmt``'s
     (at the snapshot's own block size); one under another root, model or layout is refused.
 
     ``load_ok(hit_tokens, stored_bytes)`` may decide that recomputing the prefix is faster than
-    loading it: then no block is read and nothing is restored (a chat keeps its messages).
+    loading it: then no block is read and nothing is restored (a chat keeps its messages). ``key``
+    opens an encrypted snapshot (default: ``$KVSNAP_KEY_FILE``'s).
     """
     t0 = time.perf_counter()
     # Decoded in the background while the model loaded (kvsnap.format.prefetch), when the CLI asked:
@@ -71,7 +74,7 @@ def from_snapshot(
     if pre is not None and lm.device.type != "cpu":
         pre.snapshot.close()
         pre = None
-    with pre.snapshot if pre is not None else Snapshot(path) as snap:
+    with pre.snapshot if pre is not None else Snapshot(path, key) as snap:
         meta = snap.meta
         root = fmt.root(meta.block_size)
         snap.check_compatible(

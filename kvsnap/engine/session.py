@@ -173,7 +173,8 @@ class Session:
         (lazily, block by block); without, the whole snapshot and its chat messages. On any error
         the session is left exactly as it was.
         """
-        state = restoring.from_snapshot(self.lm, path, self.block_format, prompt_ids, load_ok=self._load_ok)
+        ok, key = self._load_ok, self.config.key
+        state = restoring.from_snapshot(self.lm, path, self.block_format, prompt_ids, load_ok=ok, key=key)
         return self._commit(state)
 
     def _load_ok(self, hit_tokens: int, stored_bytes: int) -> bool:
@@ -220,7 +221,7 @@ class Session:
         """What the session holds, for writing it out (sampled tokens not yet run stay out)."""
         made_by = verifying.recorded(self.lm, self.inherited_made_by)
         held = (self.tokens, self.cache, self.encoded, self.last_logits, self.messages, made_by, self.dropped_messages)
-        return Contents(self.lm, self.block_format, *held)
+        return Contents(self.lm, self.block_format, *held, key=self.config.key)
 
     def verify_restored(self, stats: RestoreStats | None) -> VerifyReport | None:
         """Spot check what was just restored (``config.verify``; see ``kvsnap.engine.verify``); None when

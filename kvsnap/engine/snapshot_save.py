@@ -32,7 +32,9 @@ def save(contents: Contents, path: str | Path, *, flushed: int = 0) -> SaveStats
         extra={"model_folder": str(Path(lm.folder).resolve()), **made_by, **contents.extra()},
     )
     logits = contents.logits_array()
-    size = write_snapshot(path, header, contents.tokens, final, last_logits=logits, messages=contents.messages)
+    size = write_snapshot(
+        path, header, contents.tokens, final, last_logits=logits, messages=contents.messages, key=contents.key
+    )
     contents.encoded.keep_only({b.hash for b in final if b.hash is not None}, keep_tail=True)
     return SaveStats(
         path=str(path),

@@ -32,8 +32,9 @@ from kvsnap.limits import (
 )
 from kvsnap.types import DROPPED_MESSAGES, KV_DTYPES, EncodedBlock, KVLayout, chat_messages, dropped_messages
 
-FORMAT_VERSION = 1
-READABLE_VERSIONS = (1,)
+FORMAT_VERSION = 1  # what a plain snapshot is written as: every kvsnap reads it
+SEALED_VERSION = 2  # an encrypted snapshot (kvsnap.format.sealed): kvsnap before it refuses the file
+READABLE_VERSIONS = (1, 2)
 # The bounds a reader enforces are kvsnap.limits' one table; the writer checks the same ones first
 # (``SnapshotHeader.check``, ``check_contents``): what kvsnap writes, it reads.
 
@@ -209,26 +210,52 @@ class SnapshotMeta:
         return [b.hash for b in self.blocks if b.hash is not None]
 
 
-def parse_meta(header_meta: dict[str, str] | None) -> SnapshotMeta:
+def header_json(header_meta: dict[str, str] | None) -> dict[str, Any]:
+    """The ``kvsnap`` JSON of a safetensors header, checksum verified, of a version this kvsnap reads."""
     if not header_meta or "kvsnap" not in header_meta:
         raise SnapshotError("not a kvsnap snapshot (safetensors file without kvsnap metadata)")
     text = header_meta["kvsnap"]
     if checksum(text.encode("utf-8", "surrogatepass")) != header_meta.get("kvsnap_checksum"):
         raise SnapshotError("metadata fails its checksum")
+    raw = _json_object(text)
+    version = raw.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise SnapshotError("metadata has no format_version")
+    if version not in READABLE_VERSIONS:
+        newer = "newer than" if version > max(READABLE_VERSIONS) else "not one"
+        raise SnapshotVersionError(
+            f"format version {version} is {newer} this kvsnap supports (reads {', '.join(map(str, READABLE_VERSIONS))})"
+        )
+    return raw
+
+
+def parse_meta(header_meta: dict[str, str] | None) -> SnapshotMeta:
+    """A plain (version 1) snapshot's metadata, checked."""
+    raw = header_json(header_meta)
+    if raw["format_version"] != FORMAT_VERSION:
+        raise SnapshotError(f"format version {raw['format_version']} is not a plain snapshot's")
+    return meta_from_json(raw)
+
+
+def meta_from_text(text: str) -> SnapshotMeta:
+    """The metadata a sealed snapshot holds inside (a plain snapshot's JSON, authenticated), checked."""
+    raw = _json_object(text)
+    if raw.get("format_version") != FORMAT_VERSION:
+        raise SnapshotError("sealed metadata has no format version kvsnap knows")
+    return meta_from_json(raw)
+
+
+def _json_object(text: str) -> dict[str, Any]:
     try:
         raw = json.loads(text)
     except (ValueError, RecursionError):
         raise SnapshotError("metadata is not valid JSON") from None
     if not isinstance(raw, dict):
         raise SnapshotError("metadata is not a JSON object")
-    version = raw.get("format_version")
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise SnapshotError("metadata has no format_version")
-    if version not in READABLE_VERSIONS:
-        newer = "newer than" if version > FORMAT_VERSION else "not one"
-        raise SnapshotVersionError(
-            f"format version {version} is {newer} this kvsnap supports (reads {', '.join(map(str, READABLE_VERSIONS))})"
-        )
+    return raw
+
+
+def meta_from_json(raw: dict[str, Any]) -> SnapshotMeta:
     try:
         return _meta_from_dict(raw)
     except SnapshotError:

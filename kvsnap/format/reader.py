@@ -22,11 +22,13 @@ from safetensors import safe_open
 from kvsnap import hashing
 from kvsnap.errors import ForeignSnapshotError, SnapshotError, one_line
 from kvsnap.format import codec as codecs
-from kvsnap.format.meta import parse_meta
+from kvsnap.format import sealed
+from kvsnap.format.meta import meta_from_text, parse_meta
 from kvsnap.format.pool import DECODE_WORKERS, Scratch, map_in_order
 from kvsnap.format.writer import block_name
 from kvsnap.hashing import checksum
 from kvsnap.paths import open_regular
+from kvsnap.sealing import OVERHEAD, SealKey
 from kvsnap.types import EncodedBlock, KVLayout
 
 # ---------------------------------------------------------------------------------------------
@@ -39,9 +41,12 @@ class Snapshot:
     Use as a context manager, or call ``close()``.
     """
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], key: SealKey | None = None):
+        """``key`` opens an encrypted snapshot (default: ``$KVSNAP_KEY_FILE``'s, read only for one)."""
         self.path = Path(path)
         self._file = None
+        self.sealing: sealed.Sealing | None = None
+        self._key: SealKey | None = None
         self._mm: mmap.mmap | None = None
         # A save may rename a new file over this path while we open it: the safetensors check and
         # the map must see the same file, so compare identities and retry if they differ.
@@ -58,7 +63,15 @@ class Snapshot:
         else:
             raise SnapshotError(f"{self.path}: the file keeps changing while it is opened")
         try:
-            self.meta = parse_meta(self._file.metadata())
+            header_meta = self._file.metadata()
+            self.sealing = sealed.sealing_of(header_meta)
+            if self.sealing is None:
+                self.meta = parse_meta(header_meta)
+            else:
+                self._key = sealed.key_for(self.sealing, key)
+                if sealed.META_TENSOR not in self._spans:
+                    raise SnapshotError("its sealed metadata is missing")
+                self.meta = meta_from_text(self._piece(sealed.META_TENSOR).decode("utf-8", "surrogatepass"))
             self._check_tensors()
             self.tokens = self._read_tokens()
         except SnapshotError as exc:
@@ -143,13 +156,33 @@ class Snapshot:
         a, b = self._spans[name]
         return memoryview(self._mm)[a:b]
 
+    def _piece(self, name: str) -> memoryview | bytes:
+        """A tensor's bytes: a view of the file, or (sealed) the authenticated plaintext."""
+        if self.sealing is None or self._key is None:
+            return self._view(name)
+        return sealed.open_piece(self._key, self.sealing, name, self._view(name))
+
+    def _opened(self, name: str) -> memoryview | bytes:
+        """``_piece`` after the file is open: a refusal names the file."""
+        try:
+            return self._piece(name)
+        except SnapshotError as exc:
+            raise SnapshotError(f"{self.path}: {exc}") from None
+
     def _check_tensors(self) -> None:
         f = self._file
-        expected = {"tokens": ("I32", [self.meta.num_tokens])}
+        expected: dict[str, tuple[str, list[int] | None]] = {"tokens": ("I32", [self.meta.num_tokens])}
         for b in self.meta.blocks:
             expected[block_name(b.index)] = ("U8", [b.stored_bytes])
         if self.meta.logits_checksum is not None:
             expected["last_logits"] = ("F32", None)
+        if self.sealing is not None:
+            # Each piece is its plaintext and the seal's nonce and tag, as bytes.
+            expected = {
+                name: ("U8", None if shape is None else [_nbytes(dtype, shape) + OVERHEAD])
+                for name, (dtype, shape) in expected.items()
+            }
+            expected[sealed.META_TENSOR] = ("U8", None)
         names = set(f.keys())
         if names != set(expected):
             missing = sorted(set(expected) - names)
@@ -163,7 +196,7 @@ class Snapshot:
                 )
 
     def _read_tokens(self) -> list[int]:
-        raw = bytes(self._view("tokens"))
+        raw = bytes(self._piece("tokens"))
         if checksum(raw) != self.meta.tokens_checksum:
             raise SnapshotError("token ids fail their checksum")
         tokens = hashing.tokens_from_bytes(raw)
@@ -177,10 +210,11 @@ class Snapshot:
     def num_tokens(self) -> int:
         return self.meta.num_tokens
 
-    def read_stored(self, index: int) -> memoryview:
-        """The stored (encoded) bytes of block ``index``, checksum verified; a view of the file, no copy."""
+    def read_stored(self, index: int) -> memoryview | bytes:
+        """The stored (encoded) bytes of block ``index``, checksum verified; a view of the file, no copy
+        (sealed: the opened bytes)."""
         info = self.meta.blocks[index]
-        stored = self._view(block_name(index))
+        stored = self._opened(block_name(index))
         if len(stored) != info.stored_bytes or checksum(stored) != info.checksum:
             raise SnapshotError(f"{self.path}: checksum mismatch in block {index}")
         return stored
@@ -258,7 +292,7 @@ class Snapshot:
     def last_logits(self) -> np.ndarray | None:
         if self.meta.logits_checksum is None:
             return None
-        raw = self._view("last_logits")
+        raw = self._opened("last_logits")
         if len(raw) % 4:
             raise SnapshotError(f"{self.path}: last-position logits have a partial element")
         data = np.frombuffer(raw, dtype="<f4").copy()
@@ -323,6 +357,13 @@ class Snapshot:
             )
         if m.root != root:
             raise ForeignSnapshotError(f"{self.path}: written with another namespace or block size ({m.block_size})")
+
+
+def _nbytes(dtype: str, shape: list[int]) -> int:
+    n = {"I32": 4, "F32": 4, "U8": 1}[dtype]
+    for dim in shape:
+        n *= dim
+    return n
 
 
 def _name_of(fd: int, path: Path) -> str:

@@ -10,6 +10,9 @@ The file is a valid safetensors file::
                                      encoded by the codec named in the metadata
     last_logits                      float32 [vocab], optional: logits after the last token
 
+Sealed with a key (``kvsnap.format.sealed``), the same pieces are sealed and the metadata moves
+into a sealed piece of its own.
+
 No torch here.
 """
 
@@ -27,10 +30,12 @@ import numpy as np
 from kvsnap import hashing
 from kvsnap.errors import SaveError
 from kvsnap.format import codec as codecs
+from kvsnap.format import sealed
 from kvsnap.format.atomic import atomic_write
 from kvsnap.format.meta import SnapshotHeader, build_meta
 from kvsnap.hashing import checksum
 from kvsnap.limits import MAX_HEADER_BYTES
+from kvsnap.sealing import SealKey
 from kvsnap.types import EncodedBlock
 
 
@@ -59,8 +64,10 @@ def write_snapshot(
     *,
     last_logits: np.ndarray | None = None,
     messages: Sequence[dict[str, str]] | None = None,
+    key: SealKey | None = None,
 ) -> int:
-    """Write a snapshot atomically; returns the file size.
+    """Write a snapshot atomically; returns the file size. With ``key`` the file is sealed
+    (``kvsnap.format.sealed``: format version 2).
 
     The file is written to a temporary name in the same folder, flushed, fsynced and renamed
     over ``path``, then the folder is fsynced: a crash leaves either the old file or the new
@@ -80,16 +87,25 @@ def write_snapshot(
         logits_checksum=checksum(logits_data) if logits_data is not None else None,
         messages=messages,
     )
-    tensors: dict[str, Any] = {"__metadata__": {"kvsnap": meta_json, "kvsnap_checksum": checksum(meta_json.encode())}}
+    clear = meta_json
+    sealing = sealed.new_sealing(key) if key is not None else None
+    if sealing is not None:
+        clear = sealing.text
+    tensors: dict[str, Any] = {"__metadata__": {"kvsnap": clear, "kvsnap_checksum": checksum(clear.encode())}}
     payloads: list[bytes | memoryview] = []
     offset = 0
 
     def add(name: str, dtype: str, shape: list[int], data: bytes | memoryview) -> None:
         nonlocal offset
+        if key is not None and sealing is not None:
+            data = sealed.seal_piece(key, sealing, name, data)
+            dtype, shape = "U8", [len(data)]
         tensors[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(data)]}
         payloads.append(data)
         offset += len(data)
 
+    if sealing is not None:
+        add(sealed.META_TENSOR, "U8", [], meta_json.encode())
     add("tokens", "I32", [len(tokens)], token_data)
     for i, b in enumerate(blocks):
         add(block_name(i), "U8", [len(b.stored)], b.stored)

@@ -28,7 +28,7 @@ from kvsnap.errors import StoreError
 from kvsnap.format.atomic import locked, replace_whole
 from kvsnap.hashing import checksum
 from kvsnap.store import blockfile
-from kvsnap.store.index import BlockIndex
+from kvsnap.store.index import INDEX_FORMAT, BlockIndex
 from kvsnap.store.index_json import index_from_json, index_to_json
 from kvsnap.store.reading import listdir, open_regular, read_at, read_regular
 from kvsnap.store.records import BlockRecord, ChainInfo, record_problem
@@ -75,6 +75,18 @@ class StoreFiles:
 
     def _rel(self, path: Path) -> tuple[str, ...]:
         return path.relative_to(self.root).parts
+
+    def blob_id(self, data: bytes) -> str:
+        """The id (and file name) of a logits blob."""
+        return blob_digest(data)
+
+    def sealed_size(self, n: int) -> int:
+        """The size of the file that holds ``n`` bytes (an encrypted store's adds its seal)."""
+        return n
+
+    def marker(self) -> dict:
+        """What the store's marker file says (``folder``): its format and version."""
+        return {"format": INDEX_FORMAT, "version": 1}
 
     # -- index ------------------------------------------------------------------------------------
 
@@ -180,7 +192,7 @@ class StoreFiles:
             data = read_regular(self.root, self._rel(path), "last-position logits", BLOB_LIMIT)
         except FileNotFoundError:
             raise StoreError(f"{path}: last-position logits are missing") from None
-        if blob_digest(data) != blob_id:
+        if self.blob_id(data) != blob_id:
             raise StoreError(f"{path}: last-position logits are damaged")
         return data
 

@@ -17,9 +17,11 @@ import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from kvsnap.errors import StoreError
+from kvsnap.errors import ConfigError, StoreError
 from kvsnap.format.atomic import locked
+from kvsnap.sealing import KEY_ENV, SealKey, key_from_env
 from kvsnap.store.files import (
     DAMAGED_INDEX_NAME,
     INDEX_NAME,
@@ -32,8 +34,9 @@ from kvsnap.store.files import (
 from kvsnap.store.index import INDEX_FORMAT, BlockIndex
 from kvsnap.store.reading import listdir as _listdir
 from kvsnap.store.reading import read_regular
+from kvsnap.store.sealed_files import CIPHER, SealedStoreFiles
 
-MARKER = {"format": INDEX_FORMAT, "version": 1}
+READABLE_VERSIONS = (1, 2)  # 2: an encrypted store (sealed_files)
 _MARKER_LIMIT = 4096
 _TOP_FILES = (INDEX_NAME, MARKER_NAME, DAMAGED_INDEX_NAME)
 _TEMP = re.compile(r"^\.(.+)\.[A-Za-z0-9_]{8}\.tmp$")  # replace_whole's temp names: .<target>.<8 chars>.tmp
@@ -51,8 +54,10 @@ class Entry:
     kind: str
 
 
-def open_store(files: StoreFiles, create: bool) -> None:
-    """Make sure the folder is a kvsnap store; with ``create``, make a new or empty folder one."""
+def open_store(files: StoreFiles, create: bool, key: SealKey | None = None) -> StoreFiles:
+    """Make sure the folder is a kvsnap store; with ``create``, make a new or empty folder one
+    (encrypted with ``key``). Returns the files of the store found: an encrypted store's
+    (``sealed_files``) open with ``key``, else ``$KVSNAP_KEY_FILE``'s."""
     root = files.root
     if not create and not root.is_dir():
         raise StoreError(f"{root}: no kvsnap block store here")
@@ -64,8 +69,9 @@ def open_store(files: StoreFiles, create: bool) -> None:
         raise StoreError(f"{root}: not a folder")
     # Two processes creating one store take turns, so neither finds the other's first file.
     with locked(root, exclusive=True, best_effort=True):
-        if _read_marker(files):
-            return
+        marker = _read_marker(files)
+        if marker is not None:
+            return _files_of(files, marker, key)
         if os.path.lexists(files.index_path):
             # A store an older kvsnap made (no marker): adopted only if its index is a kvsnap index.
             try:
@@ -74,35 +80,63 @@ def open_store(files: StoreFiles, create: bool) -> None:
                 why = str(exc).removesuffix(f"; {REPAIR_HINT}")
                 raise StoreError(f"{root}: not a kvsnap block store (no {MARKER_NAME}, and {why})") from None
             _write_marker(files)
-            return
+            return _files_of(files, files.marker(), key)
         if not _empty(root):
             raise StoreError(f"{root}: not a kvsnap block store (no {MARKER_NAME}); choose an empty or new folder")
         if not create:
             raise StoreError(f"{root}: no kvsnap block store here")
+        if key is not None:
+            files = SealedStoreFiles(root, key)
         files.save_index(BlockIndex())
         _write_marker(files)
+        return files
 
 
-def _read_marker(files: StoreFiles) -> bool:
+def _read_marker(files: StoreFiles) -> dict[str, Any] | None:
     try:
         text = read_regular(files.root, (MARKER_NAME,), "store marker", _MARKER_LIMIT)
     except FileNotFoundError:
-        return False
+        return None
     try:
         data = json.loads(text)
-        ok = data.get("format") == MARKER["format"]
+        ok = data.get("format") == INDEX_FORMAT
         version = data.get("version")
     except (ValueError, AttributeError):
         ok, version = False, None
     if not ok:
         raise StoreError(f"{files.marker_path}: not a kvsnap store marker (damaged?)")
-    if version != MARKER["version"]:
+    if version not in READABLE_VERSIONS:
         raise StoreError(f"{files.marker_path}: store format version {version!r} is not one this kvsnap reads")
-    return True
+    return data
+
+
+def _files_of(files: StoreFiles, marker: dict[str, Any], key: SealKey | None) -> StoreFiles:
+    """The files of a store whose marker is ``marker``: a plain store refuses a key (its files would
+    stay in the clear), an encrypted one needs its own."""
+    root = files.root
+    sealed = marker.get("sealed")
+    if marker["version"] == 1:
+        if key is not None:
+            raise StoreError(f"{root}: this store is not encrypted; an encrypted one needs a new folder")
+        return files
+    if not isinstance(sealed, dict) or sealed.get("cipher") != CIPHER or not isinstance(sealed.get("key_id"), str):
+        raise StoreError(f"{files.marker_path}: not a kvsnap store marker (damaged?)")
+    if key is None:
+        try:
+            key = key_from_env()
+        except ConfigError as exc:
+            raise StoreError(f"{root}: encrypted store, and the key cannot be read: {exc}") from None
+    if key is None:
+        raise StoreError(f"{root}: encrypted store (key {sealed['key_id']}): set {KEY_ENV} to its key file")
+    if key.key_id != sealed["key_id"]:
+        raise StoreError(
+            f"{root}: encrypted store of another key (key {sealed['key_id']}; {KEY_ENV} holds key {key.key_id})"
+        )
+    return SealedStoreFiles(root, key)
 
 
 def _write_marker(files: StoreFiles) -> None:
-    write_file(files.marker_path, [json.dumps(MARKER).encode()])
+    write_file(files.marker_path, [json.dumps(files.marker()).encode()])
 
 
 def _empty(root: Path) -> bool:

@@ -30,8 +30,9 @@ import numpy as np
 from kvsnap.config import DEFAULT_LEVEL
 from kvsnap.errors import ConfigError, StoreError
 from kvsnap.format.atomic import fsync_dir
+from kvsnap.sealing import SealKey
 from kvsnap.store import upkeep
-from kvsnap.store.files import BLOB_LIMIT, StoreFiles, blob_digest, has_file
+from kvsnap.store.files import BLOB_LIMIT, StoreFiles, has_file
 from kvsnap.store.folder import open_store, remove_own
 from kvsnap.store.index import BlockIndex
 from kvsnap.store.records import (
@@ -57,12 +58,20 @@ class BlockStore:
     fcntl lock on ``DIR/.lock``. ``budget_bytes``, when given, becomes the store's budget (kept in
     its index) and is enforced at once. With ``create`` a new or empty folder becomes a store; a
     folder holding anything else is refused (``StoreError``) unless it is a kvsnap store already.
+    A store made with ``key`` is encrypted (``sealed_files``) and opens with that key only (default:
+    ``$KVSNAP_KEY_FILE``'s); a plain store refuses a key.
     """
 
-    def __init__(self, path: str | os.PathLike[str], budget_bytes: int | None = None, *, create: bool = True):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        budget_bytes: int | None = None,
+        *,
+        create: bool = True,
+        key: SealKey | None = None,
+    ):
         self.path = Path(path)
-        self.files = StoreFiles(self.path)
-        open_store(self.files, create)
+        self.files = open_store(StoreFiles(self.path), create, key)
         if budget_bytes is not None:
             self.set_budget(budget_bytes)
 
@@ -216,9 +225,9 @@ class BlockStore:
             old = index.sessions.get(name)
             logits_id = None
             if logits is not None:
-                logits_id = blob_digest(logits)
+                logits_id = self.files.blob_id(logits)
                 path = self.files.blob_path(logits_id)
-                if not has_file(path, len(logits)):
+                if not has_file(path, self.files.sealed_size(len(logits))):
                     self._write(t, path, [logits])
             index.set_session(
                 SessionRecord(

@@ -191,13 +191,13 @@ def repair(files: StoreFiles) -> RepairReport:
 def _candidates(files: StoreFiles, index: BlockIndex, entries: list) -> tuple[list[str], list]:
     """Block files the index does not name, each proven from its trailer, oldest first."""
     unproven, found = [], []
+    named = {files.block_path(h) for h in index.blocks}
     for e in entries:
-        h = bytes.fromhex(e.path.stem)
-        if h in index.blocks:
+        if e.path in named:
             continue
         try:
             record, chain, stored = files.read_block_file(e.path)
-            if record.hash != h:
+            if files.block_path(record.hash) != e.path:
                 raise StoreError("its trailer names another block")
             blockfile.prove(record, chain, stored)
             mtime = os.lstat(e.path).st_mtime_ns
