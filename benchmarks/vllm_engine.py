@@ -36,8 +36,8 @@ def records(stdout: str) -> list[dict[str, Any]]:
 
 
 def engine(job: dict[str, Any]) -> Any:
-    # One OpenMP thread unless told: on a small shared machine, OpenMP threads that spin-wait on each
-    # other made a 16-token answer take 62 s instead of 11 s (2 cores, load 14).
+    # One OpenMP thread unless told: on a small shared machine, OpenMP threads spin-waiting on each
+    # other make every step several times slower (docs/benchmarks.md).
     os.environ.setdefault("OMP_NUM_THREADS", str(job.get("threads", 1)))
     if job.get("in_process"):
         # Scheduler and worker in this one process: one start of Python and vLLM instead of three.
@@ -55,11 +55,11 @@ def engine(job: dict[str, Any]) -> Any:
         )
     return LLM(
         model=job["model"],
-        # float32: on a CPU without AVX-512 BF16 (this one), bfloat16 matmuls fall back to a slow path.
+        # float32: on a CPU without AVX-512 BF16, bfloat16 matmuls fall back to a slow emulated path.
         dtype=job.get("dtype", "float32"),
         max_model_len=job.get("max_model_len", 2048),
         kv_cache_memory_bytes=job.get("kv_cache_bytes", 1 << 30),
-        # Eager: torch.compile costs minutes per engine start on a small CPU and changes no KV layout.
+        # Eager: torch.compile would cost minutes at every engine start on a small CPU, and changes no KV layout.
         enforce_eager=True,
         seed=0,
         distributed_executor_backend="uni" if job.get("in_process") else None,

@@ -44,8 +44,8 @@ def bits(tensor: torch.Tensor) -> np.ndarray:
     return tensor.view(_TORCH_BITS[tensor.element_size()]).numpy().view(_NUMPY_BITS[tensor.element_size()])
 
 
-# The copies run in numpy, one thread: torch's small strided copies in a busy engine process wait on
-# its OpenMP threads (41 MB took 5 s with 2 threads on a loaded 2-core machine, 0.2 s with numpy).
+# The copies run in numpy, on one thread: torch's many small strided copies wait on the engine's
+# OpenMP threads, which spin against each other on a busy machine (docs/benchmarks.md).
 _TORCH_BITS = {2: torch.int16, 4: torch.int32}
 _NUMPY_BITS = {2: np.uint16, 4: np.uint32}
 

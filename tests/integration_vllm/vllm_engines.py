@@ -26,7 +26,7 @@ from benchmarks.vllm_engine import MARK  # noqa: E402
 # A ~1,000-token prompt (the report's start), a question after it, other text for other prompts.
 PROMPT_TOKENS = 1000
 SUFFIX = "\nQ: Who is the General Manager?\nA:"
-ENGINE_TIMEOUT = 1800  # seconds: a start costs 20 s on an idle 2-core machine and minutes on a busy one
+ENGINE_TIMEOUT = 1800  # seconds: generous, an engine start takes minutes on a busy small machine
 
 
 def real_model_home() -> Path:
