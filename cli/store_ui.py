@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
 
+from kvsnap.provenance import describe
 from kvsnap_cli.ui import human_bytes, key_value_table, note, out, plural, printable
 
 if TYPE_CHECKING:  # imported where used: every command starts without them (~30 ms)
@@ -33,6 +34,9 @@ def print_store_stats(info: dict[str, Any]) -> None:
         ("evictions", f"{info['evictions']:,}"),
         ("damaged", f"{info['damaged']:,} blocks found damaged and dropped"),
     ]
+    for i, maker in enumerate(info.get("made_by", [])):
+        made = f"{plural(maker['blocks'], 'block')} ({human_bytes(maker['bytes'])}): {describe(maker['made_by'])}"
+        rows.append(("made by" if i == 0 else "", made))
     out().print(key_value_table(rows))
 
 

@@ -258,3 +258,21 @@ def test_a_prefix_stored_under_several_namespaces_is_explained_for_the_runs_own(
     for namespace in ("alice", "bob", "carol"):
         assert explained(llama, prompt, store=store, namespace=namespace)["cause"] == "none"
     assert explained(llama, prompt, store=store, namespace="dave")["cause"] == "namespace"
+
+
+def test_a_chain_a_serving_engine_made_names_the_engine():
+    """vLLM's blocks (kvsnap/integrations/vllm.py) key chains of their own: the miss says who made them."""
+    parts = {"config": "c", "tokenizer": "t", "weights": "w"}
+    made = {**parts, "kv_dtype": "float32", "engine": "vllm 0.32.0 CPU_ATTN/vec"}
+    cause, why, differs = explain.chain_mismatch(
+        explain.Running(parts, "", 128, "m"),
+        model="m",
+        fingerprint="0" * 32,
+        parts=made,
+        kv_dtype="float32",
+        root=b"r",
+        block_size=128,
+        check_block_size=True,
+    )
+    assert cause == "model" and differs == ()
+    assert why == "made with another model (different engine: computed by vllm 0.32.0 CPU_ATTN/vec)"

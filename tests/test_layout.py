@@ -23,6 +23,7 @@ PACKAGES = {"kvsnap": ROOT / "kvsnap", "kvsnap_cli": ROOT / "cli"}
 LAYERS = {
     "kvsnap_cli": 6,
     "kvsnap.serve": 5,
+    "kvsnap.integrations": 5,  # kvsnap inside other engines (vLLM): nothing in kvsnap imports them
     "kvsnap.engine": 4,
     "kvsnap.models": 3,
     "kvsnap.store": 3,
@@ -48,13 +49,15 @@ MAY_IMPORT_TORCH = {
     "kvsnap.engine.snapshot_save",
     "kvsnap.engine.store_save",
     "kvsnap.engine.verify",
+    "kvsnap.integrations.vllm",
+    "kvsnap.integrations.vllm_pages",
     "kvsnap.models.architecture",
     "kvsnap.models.attention",
     "kvsnap.models.exact",
     "kvsnap.models.native",
     "kvsnap.models.packing",
 }
-HEAVY = ("torch", "transformers", "safetensors.torch", "accelerate")
+HEAVY = ("torch", "transformers", "safetensors.torch", "accelerate", "vllm")
 MAX_LINES = 400  # one concern per module; past this a module is doing more than one job: split it
 
 
@@ -255,7 +258,8 @@ def test_the_list_of_torch_modules_holds_only_modules_that_exist():
 
 
 @pytest.mark.parametrize(
-    "module", ["kvsnap", "kvsnap_cli.main", "kvsnap_cli.app", "kvsnap.engine.describe", "kvsnap.store"]
+    "module",
+    ["kvsnap", "kvsnap_cli.main", "kvsnap_cli.app", "kvsnap.engine.describe", "kvsnap.store", "kvsnap.integrations"],
 )
 def test_entry_points_start_without_torch(module):
     """The same in a fresh interpreter, third-party imports included."""

@@ -631,3 +631,32 @@ def test_parse_size(text, size):
 def test_parse_size_refuses(text):
     with pytest.raises(ConfigError):
         parse_size(text)
+
+
+def test_peek_answers_while_a_writer_holds_the_lock(tmp_path):
+    """A serving engine's scheduler looks prompts up with ``peek``: it must not wait for another process's save."""
+    import threading
+
+    chain = make_chain()
+    store = BlockStore(tmp_path)
+    tokens = list(range(10))
+    put(store, chain, tokens)
+    held, release = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        with store.transaction(write=True):
+            held.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        assert held.wait(30)
+        match = store.peek(tokens + [99], chain.root, 4)
+        assert match.hit_tokens == 8 and len(match.hashes) == 2
+    finally:
+        release.set()
+        thread.join()
+    before = store.stats()
+    store.peek(tokens, chain.root, 4)
+    assert store.stats()["lookups"] == before["lookups"]  # nothing recorded, nothing touched

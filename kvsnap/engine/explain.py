@@ -126,6 +126,8 @@ def chain_mismatch(
         known = {**parts, "kv_dtype": parts.get("kv_dtype", kv_dtype)}
         differs = tuple(k for k in PARTS if k in known and k in ours and known[k] != ours[k])
         what = [_PART_NAMES.get(k, k) for k in differs if k != "kv_dtype"]
+        if "engine" in known and "engine" not in ours:  # a serving engine's chain (kvsnap/integrations)
+            what.append(f"engine: computed by {known['engine']}")
         if "kv_dtype" in differs:
             what.append(f"KV dtype: {known['kv_dtype']}, not {ours['kv_dtype']}")
         detail = f"different {', '.join(what)}" if what else f"fingerprint {fingerprint[:12]}, this run {fp[:12]}"

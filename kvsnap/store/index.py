@@ -238,7 +238,19 @@ class BlockIndex:
             "leaves": sum(1 for h in self.blocks if not self.children.get(h)),
             "raw_bytes": sum(r.raw_bytes for r in self.blocks.values()),
             "pinned_bytes": sum(r.stored_bytes for h, r in self.blocks.items() if self.pins[h]),
+            "made_by": self.makers(),
         }
+
+    def makers(self) -> list[dict[str, Any]]:
+        """Blocks and stored bytes per software that computed them (``made_by`` parsed; None: not
+        recorded), most blocks first: blocks that kvsnap and vLLM made share chains, and this tells them apart."""
+        counts: Counter[str] = Counter()
+        sizes: Counter[str] = Counter()
+        for r in self.blocks.values():
+            counts[r.made_by] += 1
+            sizes[r.made_by] += r.stored_bytes
+        order = sorted(counts, key=lambda text: (-counts[text], text))
+        return [{"made_by": provenance.parse(t), "blocks": counts[t], "bytes": sizes[t]} for t in order]
 
     def tree(self) -> dict[str, Any]:
         """The radix view: per chain root, runs of blocks without a branch (or a session end) merged into one node.

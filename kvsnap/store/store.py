@@ -108,6 +108,12 @@ class BlockStore:
                 return t.index.lookup(prompt_ids, root, block_size)
             return t.index.match(prompt_ids, root, block_size)
 
+    def peek(self, prompt_ids: Sequence[int], root: bytes, block_size: int) -> StoreMatch:
+        """``lookup`` that never waits: no lock, no touch, the index as last written (every write
+        replaces it whole). For a caller that must not stall behind another process's save (a serving
+        engine's scheduler); a block found may be evicted before it is read, and ``fetch`` stops there."""
+        return self.files.load_index().match(prompt_ids, root, block_size)
+
     def fetch(self, prompt_ids: Sequence[int], root: bytes, block_size: int) -> tuple[StoreMatch, list[StoredBlock]]:
         """``lookup`` and read the matched blocks in one transaction, so no other process evicts them between.
 
