@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import best_of_each, describe, document, kept, machine, table, write_json  # noqa: E402
 from kvsnap.config import DEFAULT_CHUNK_SIZE  # noqa: E402
+from kvsnap.engine.prepare import forward_kind  # noqa: E402
 from kvsnap.engine.session import Session  # noqa: E402
 from kvsnap.models import load_model  # noqa: E402
-from kvsnap.engine.prepare import forward_kind  # noqa: E402
 
 ODD_CHUNK = 97  # a chunk size that divides nothing here
 MODES = ("plain", "exact")

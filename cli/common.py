@@ -50,7 +50,7 @@ def open_store(path, budget: str | None, key=None):
     """The block store behind --store/--store-budget (encrypted with ``key``, --encrypt), or None; a
     budget that cannot be written is a warning."""
     from kvsnap.engine.assemble import open_store as open_block_store
-    from kvsnap_cli.options import parse_size
+    from kvsnap_cli.sizes import parse_size
 
     budget_bytes = parse_size(budget) if budget is not None else None
     if path is None and budget_bytes is not None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -19,7 +18,6 @@ import typer
 
 from kvsnap import config
 from kvsnap.config import SamplingParams
-from kvsnap.errors import ConfigError
 
 # --help groups options by what they are about; the rare ones (ADVANCED) are hidden from chat's and run's
 # --help, so it fits a screen, and shown by --help-all.
@@ -144,8 +142,7 @@ Encrypt = Annotated[
     typer.Option(
         "--encrypt",
         metavar="",
-        help="Seal saved snapshots and new stores (AES-256-GCM) with the key file $KVSNAP_KEY_FILE names "
-        "(0600; `kvsnap keygen FILE`). A snapshot resumed encrypted stays encrypted.",
+        help="Seal saved snapshots and new stores (AES-256-GCM), key file: $KVSNAP_KEY_FILE (kvsnap keygen).",
         rich_help_panel=SNAPSHOT,
     ),
 ]
@@ -260,12 +257,13 @@ class SessionOptions:
         return SamplingParams(max_new_tokens=self.max_new_tokens, seed=self.seed, stop=stop, **chosen)
 
     def session_config(self, resume: Path | None = None) -> config.SessionConfig:
-        """The session flags, checked before any model is loaded (``ConfigError``). Saves are sealed
-        with --encrypt, or when ``resume`` is an encrypted snapshot (its conversation stays sealed)."""
-        key = None
-        if self.encrypt or (resume is not None and is_sealed(resume)):
-            from kvsnap.sealing import key_from_env
+        """The session flags, checked before any model is loaded (``ConfigError``); sealed saves with
+        --encrypt or when ``resume`` is sealed."""
+        from kvsnap.format import sealed
+        from kvsnap.sealing import key_from_env
 
+        key = None
+        if self.encrypt or (resume is not None and sealed.is_sealed(resume)):
             key = key_from_env(required="--encrypt" if self.encrypt else f"resuming the encrypted {resume}")
         cfg = config.SessionConfig(
             block_size=self.block_size,
@@ -400,32 +398,3 @@ def session_options(
         return wrapper
 
     return decorate
-
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-
-
-def parse_size(value: str | int) -> int:
-    """``"200MB"``, ``"2GB"``, ``"1.5GiB"`` or a plain byte count -> bytes; ``ConfigError`` otherwise."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < 0:
-            raise ConfigError(f"size {value} is negative")
-        return value
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*", str(value), flags=re.IGNORECASE)
-    if m is None:
-        raise ConfigError(f"cannot read {value!r} as a size (examples: 200MB, 2GB, 1048576)")
-    number, unit, binary = m.groups()
-    scale = 1024 ** "kmgt".index(unit.lower()) * 1024 if binary and unit else _UNITS[unit.lower()]
-    return int(float(number) * scale)
-
-
-def is_sealed(path: Path) -> bool:
-    """Whether ``path`` is an encrypted snapshot (False for anything else, a missing file included)."""
-    from kvsnap.errors import KvsnapError
-    from kvsnap.format.sealed import clear_facts
-
-    try:
-        clear_facts(path)
-    except (KvsnapError, OSError):
-        return False
-    return True

@@ -231,7 +231,7 @@ def _say_repair(report: dict[str, Any]) -> None:
 @guarded
 def budget(given: SizeArgs, json_out: Json = False) -> None:
     """Set the store's budget (kept in the store) and evict least recently used leaves at once to fit it."""
-    from kvsnap_cli.options import parse_size
+    from kvsnap_cli.sizes import parse_size
 
     path, (size,) = split(given, "SIZE|none")
     budget_bytes = None if size.strip().lower() == "none" else parse_size(size)

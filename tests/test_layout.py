@@ -271,3 +271,22 @@ def test_entry_points_start_without_torch(module):
 def test_no_module_grows_past_the_limit():
     sizes = {m.path.relative_to(ROOT).as_posix(): len(m.path.read_text().splitlines()) for m in MODULES.values()}
     assert {name: n for name, n in sizes.items() if n > MAX_LINES} == {}
+
+
+SCRIPTS = sorted([*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "examples").rglob("*.py")])
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_name_a_script_takes_from_kvsnap_exists(script):
+    """Benchmarks and examples run outside the suite's imports: a name moved in kvsnap must move there too."""
+    import importlib.util
+
+    missing = []
+    for node in ast.walk(ast.parse(script.read_text())):
+        if not (isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PACKAGES):
+            continue
+        module = importlib.import_module(node.module)
+        for alias in node.names:
+            if not hasattr(module, alias.name) and importlib.util.find_spec(f"{node.module}.{alias.name}") is None:
+                missing.append(f"{node.module}.{alias.name}")
+    assert missing == []

@@ -35,7 +35,7 @@ from kvsnap.hashing import checksum
 from kvsnap.store import BlockStore, ChainInfo, StoreError, block_keys, interchange
 from kvsnap.store.index_json import index_from_json
 from kvsnap.types import EncodedBlock
-from kvsnap_cli.options import parse_size
+from kvsnap_cli.sizes import parse_size
 
 ROOT_DIR = Path(__file__).resolve().parents[1]
 

@@ -164,8 +164,6 @@ class Session:
         self.inherited_made_by = state.stats.made_by
         return state.stats
 
-    # -- restore -----------------------------------------------------------------------------
-
     def restore(self, path: str | Path, prompt_ids: Sequence[int] | None = None) -> RestoreStats:
         """Replace the session's state with a snapshot's prefix; the model does not run.
 
@@ -173,8 +171,9 @@ class Session:
         (lazily, block by block); without, the whole snapshot and its chat messages. On any error
         the session is left exactly as it was.
         """
-        ok, key = self._load_ok, self.config.key
-        state = restoring.from_snapshot(self.lm, path, self.block_format, prompt_ids, load_ok=ok, key=key)
+        state = restoring.from_snapshot(
+            self.lm, path, self.block_format, prompt_ids, load_ok=self._load_ok, key=self.config.key
+        )
         return self._commit(state)
 
     def _load_ok(self, hit_tokens: int, stored_bytes: int) -> bool:

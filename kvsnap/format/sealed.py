@@ -26,7 +26,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from kvsnap.errors import ConfigError, SnapshotError, SnapshotKeyError
+from kvsnap.errors import ConfigError, KvsnapError, SnapshotError, SnapshotKeyError
 from kvsnap.format.meta import FORMAT_VERSION, SEALED_VERSION, header_json
 from kvsnap.limits import MAX_HEADER_BYTES
 from kvsnap.paths import open_regular
@@ -131,3 +131,12 @@ def clear_facts(path: str | os.PathLike[str]) -> dict[str, Any]:
         "last_logits": "last_logits" in header,
         "file_bytes": size,
     }
+
+
+def is_sealed(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is an encrypted snapshot (False for anything else, a missing file included)."""
+    try:
+        clear_facts(path)
+    except (KvsnapError, OSError):
+        return False
+    return True
