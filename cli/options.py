@@ -142,7 +142,7 @@ Encrypt = Annotated[
     typer.Option(
         "--encrypt",
         metavar="",
-        help="Seal saved snapshots and new stores (AES-256-GCM), key file: $KVSNAP_KEY_FILE (kvsnap keygen).",
+        help="Encrypt saves with $KVSNAP_KEY_FILE.",
         rich_help_panel=SNAPSHOT,
     ),
 ]
