@@ -4,8 +4,9 @@
 
 JOB: ``model`` (a folder), ``store`` (a block store folder, or null for no connector), optional
 ``extra`` (more ``kv_connector_extra_config``), ``dtype``, ``max_model_len``, ``kv_cache_bytes``, ``threads``,
-``in_process`` (scheduler and worker in one process, as ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the
-``uni`` executor do), and
+``block_size`` (vLLM's; its CPU default is 128), ``prefix_caching`` (false: vLLM's own prefix cache
+off, so every cached token came from the store), ``in_process`` (scheduler and worker in one process,
+as ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni`` executor do), and
 ``requests``: ``{"ids": [token ids], "max_tokens": n, "salt": cache_salt or null}``, run one after
 another, greedy. Prints one marked JSON line (``records`` reads them) when the engine is up
 (``{"ready": seconds}``) and one per request as it ends (``text``, ``token_ids``,
@@ -61,6 +62,8 @@ def engine(job: dict[str, Any]) -> Any:
         kv_cache_memory_bytes=job.get("kv_cache_bytes", 1 << 30),
         # Eager: torch.compile would cost minutes at every engine start on a small CPU, and changes no KV layout.
         enforce_eager=True,
+        block_size=job.get("block_size"),
+        enable_prefix_caching=job.get("prefix_caching"),
         seed=0,
         distributed_executor_backend="uni" if job.get("in_process") else None,
         kv_transfer_config=kv,
