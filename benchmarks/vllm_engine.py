@@ -107,8 +107,8 @@ def main(path: str) -> None:
             }
         )
     if limit is not None:
-        # The full filesystem is the requests' scene only: vLLM's shutdown writes a file of its own
-        # (torch's process group store) and aborts the process if it cannot.
+        # Lifted before vLLM shuts down: its shutdown writes a file of its own (torch's process group
+        # store) and aborts the process if it cannot.
         resource.setrlimit(resource.RLIMIT_FSIZE, unlimited)
 
 
