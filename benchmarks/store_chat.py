@@ -65,6 +65,39 @@ def jobs() -> list[dict]:
     return [out[t * 1 + c * 4] for t in range(4) for c in range(3)]
 
 
+def prompt_ids(tokenizer, batch: list[dict]) -> list[list[int]]:
+    """Each job's prompt as token ids, rendered through the model's chat template as `kvsnap run` renders it."""
+    out = []
+    for job in batch:
+        text = tokenizer.apply_chat_template(job["messages"], tokenize=False, add_generation_prompt=True)
+        out.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return out
+
+
+def oracle(prompts: list[list[int]], i: int) -> int:
+    """The most any prefix cache could reuse of prompt ``i``: its longest common prefix with an earlier one."""
+    return max((common_prefix_len(prompts[i], p) for p in prompts[:i]), default=0)
+
+
+def run_batch(
+    batch: list[dict], model: str, block_size: int, store: Path, budget: str | None = None
+) -> tuple[list[dict], float]:
+    """The jobs through `kvsnap run --batch --store` in a process of its own: one result per job, and
+    the wall time."""
+    jobs_file = store.parent / "jobs.jsonl"
+    jobs_file.write_text("\n".join(json.dumps(j) for j in batch) + "\n")
+    cmd = [sys.executable, "-m", "kvsnap_cli.main", "run", "--model", model, "--batch", str(jobs_file)]
+    cmd += ["--store", str(store), "--block-size", str(block_size)]
+    if budget:
+        cmd += ["--store-budget", budget]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0:
+        sys.exit(proc.stderr)
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()], seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -72,38 +105,22 @@ def main() -> None:
     parser.add_argument("--budget", default=None)
     args = parser.parse_args()
     batch = jobs()
-    tokenizer = load_tokenizer(resolve_model(args.model))
-    prompts = []
-    for job in batch:
-        text = tokenizer.apply_chat_template(job["messages"], tokenize=False, add_generation_prompt=True)
-        prompts.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
-
+    prompts = prompt_ids(load_tokenizer(resolve_model(args.model)), batch)
     with tempfile.TemporaryDirectory() as tmp:
-        jobs_file = Path(tmp) / "jobs.jsonl"
-        jobs_file.write_text("\n".join(json.dumps(j) for j in batch) + "\n")
-        cmd = [sys.executable, "-m", "kvsnap_cli.main", "run", "--model", args.model, "--batch", str(jobs_file)]
-        cmd += ["--store", str(Path(tmp) / "store"), "--block-size", str(args.block_size)]
-        if args.budget:
-            cmd += ["--store-budget", args.budget]
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
-        seconds = time.perf_counter() - t0
-        if proc.returncode != 0:
-            sys.exit(proc.stderr)
-        results = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+        results, seconds = run_batch(batch, args.model, args.block_size, Path(tmp) / "store", args.budget)
 
     rows = []
     bs = args.block_size
     for i, (job, ids, res) in enumerate(zip(batch, prompts, results)):
-        oracle = max((common_prefix_len(ids, p) for p in prompts[:i]), default=0)
+        best = oracle(prompts, i)
         assert res["prompt_tokens"] == len(ids), (res["prompt_tokens"], len(ids))
         rows.append(
             {
                 "job": job["id"],
                 "prompt_tokens": len(ids),
                 "reused": res["hit_tokens"],
-                "oracle": oracle,
-                "block_oracle": oracle // bs * bs,
+                "oracle": best,
+                "block_oracle": best // bs * bs,
                 "ttft_s": res["ttft_s"],
             }
         )

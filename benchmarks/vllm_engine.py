@@ -4,8 +4,10 @@
 
 JOB: ``model`` (a folder), ``store`` (a block store folder, or null for no connector), optional
 ``extra`` (more ``kv_connector_extra_config``), ``dtype``, ``max_model_len``, ``kv_cache_bytes``, ``threads``,
-``in_process`` (scheduler and worker in one process, as ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the
-``uni`` executor do), and
+``block_size`` (vLLM's; its CPU default is 128), ``prefix_caching`` (false: vLLM's own prefix cache
+off, so every cached token came from the store), ``in_process`` (scheduler and worker in one process,
+as ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni`` executor do), ``file_size_limit`` (bytes: once
+the engine is up, no file this process writes may grow past it, as on a full filesystem), and
 ``requests``: ``{"ids": [token ids], "max_tokens": n, "salt": cache_salt or null}``, run one after
 another, greedy. Prints one marked JSON line (``records`` reads them) when the engine is up
 (``{"ready": seconds}``) and one per request as it ends (``text``, ``token_ids``,
@@ -61,6 +63,8 @@ def engine(job: dict[str, Any]) -> Any:
         kv_cache_memory_bytes=job.get("kv_cache_bytes", 1 << 30),
         # Eager: torch.compile would cost minutes at every engine start on a small CPU, and changes no KV layout.
         enforce_eager=True,
+        block_size=job.get("block_size"),
+        enable_prefix_caching=job.get("prefix_caching"),
         seed=0,
         distributed_executor_backend="uni" if job.get("in_process") else None,
         kv_transfer_config=kv,
@@ -72,6 +76,14 @@ def main(path: str) -> None:
     t0 = time.perf_counter()
     llm = engine(job)
     emit({"ready": round(time.perf_counter() - t0, 3)})
+    limit = job.get("file_size_limit")
+    if limit is not None:
+        # Only now: starting vLLM writes temp files. A write past the limit fails with EFBIG (Python
+        # ignores SIGXFSZ) where a full disk says ENOSPC: the same failed write() to the code above it.
+        import resource
+
+        unlimited = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, unlimited[1]))
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -94,6 +106,10 @@ def main(path: str) -> None:
                 "seconds": round(seconds, 4),
             }
         )
+    if limit is not None:
+        # Lifted before vLLM shuts down: its shutdown writes a file of its own (torch's process group
+        # store) and aborts the process if it cannot.
+        resource.setrlimit(resource.RLIMIT_FSIZE, unlimited)
 
 
 if __name__ == "__main__":

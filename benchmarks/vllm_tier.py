@@ -13,7 +13,14 @@ paged cache of vLLM's CPU layout, and gather + encode + put into a new store (GB
 the decoding alone.
 One run of each: engine starts take minutes on a busy small machine.
 
+With ``--chat``, instead: the hit ratio on store_chat.py's 12 interleaved chat requests (three
+conversations of four turns, one system prompt), replayed through one vLLM engine with the connector
+and vLLM's own prefix cache off, so every token it reuses came from the store, beside kvsnap's own
+(``kvsnap run --batch --store``, as store_chat.py runs it) on the same token ids, both with blocks of
+``--block-size`` tokens.
+
     .venv-vllm/bin/python benchmarks/vllm_tier.py [--lengths 1024 4096 8100] [--model FOLDER]
+    .venv-vllm/bin/python benchmarks/vllm_tier.py --chat [--block-size 64]
 """
 
 from __future__ import annotations
@@ -109,14 +116,81 @@ def store_rates(store_dir: Path, prompts: list[list[int]]) -> list[dict[str, flo
     return rates
 
 
+def chat_hits(model: Path, folder: Path, block_size: int) -> list[dict]:
+    """store_chat.py's requests through kvsnap and through vLLM with the connector: per request, its
+    prompt tokens, the whole-block oracle, and the tokens each reused from its store."""
+    from vllm_engines import Engine
+
+    from benchmarks import store_chat
+    from kvsnap.models import load_tokenizer
+    from kvsnap.store import BlockStore
+
+    batch = store_chat.jobs()
+    prompts = store_chat.prompt_ids(load_tokenizer(model), batch)
+    ours, _ = store_chat.run_batch(batch, str(model), block_size, folder / "kvsnap-store")
+    job = {
+        "model": str(model),
+        "store": str(folder / "vllm-store"),
+        "requests": [{"ids": ids, "max_tokens": j["max_new_tokens"]} for ids, j in zip(prompts, batch)],
+        "in_process": True,
+        "block_size": block_size,  # vLLM's, and so the store's: its CPU kernel takes multiples of 32
+        "prefix_caching": False,
+    }
+    records = Engine(job, folder, "chat").finish()[1:]
+    stats = BlockStore(folder / "vllm-store", create=False).stats()
+    print(f"vLLM's store: {stats['blocks']} blocks, {stats['hit_tokens']} tokens read by loads", file=sys.stderr)
+    rows = []
+    for i, (j, ids, mine, theirs) in enumerate(zip(batch, prompts, ours, records)):
+        assert mine["prompt_tokens"] == theirs["prompt_tokens"] == len(ids)
+        best = store_chat.oracle(prompts, i)
+        rows.append(
+            {
+                "job": j["id"],
+                "prompt_tokens": len(ids),
+                "block_oracle": best // block_size * block_size,
+                "kvsnap_reused": mine["hit_tokens"],
+                "vllm_loaded": theirs["num_cached_tokens"],
+            }
+        )
+    return rows
+
+
+def chat_main(model: Path, block_size: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = chat_hits(model, Path(tmp), block_size)
+    total = {k: sum(r[k] for r in rows) for k in rows[0] if k != "job"}
+    ratios = {k: v / total["prompt_tokens"] for k, v in total.items() if k != "prompt_tokens"}
+    info = machine()
+    import vllm
+
+    info["vllm"] = vllm.__version__
+    print(describe(info) + f", vLLM {vllm.__version__}, blocks of {block_size} tokens")
+    columns = [
+        ("job", "job", "s"),
+        ("prompt_tokens", "prompt", "d"),
+        ("block_oracle", "oracle, whole blocks", "d"),
+        ("kvsnap_reused", "kvsnap reused", "d"),
+        ("vllm_loaded", "vLLM loaded from store", "d"),
+    ]
+    print(table([*rows, {"job": "total", **total}], columns))
+    print(", ".join(f"{k} {v:.1%}" for k, v in ratios.items()) + " of the prompt tokens")
+    path = write_json("vllm_tier_chat", {"machine": info, "rows": rows, "block_size": block_size, "ratios": ratios})
+    print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8100])
     parser.add_argument("--model", type=Path, help="a model folder (default: kvsnap's default model)")
+    parser.add_argument("--chat", action="store_true", help="the hit ratio on store_chat.py's requests instead")
+    parser.add_argument("--block-size", type=int, default=64, help="with --chat: tokens a block holds")
     args = parser.parse_args()
     from vllm_engines import default_model, tokenize
 
     model = args.model or default_model()
+    if args.chat:
+        chat_main(model, args.block_size)
+        return
     docs = documents(model, args.lengths)
     asked = [d + tokenize(model, QUESTION) for d in docs]
     max_len = max(len(a) for a in asked) + 8

@@ -257,6 +257,13 @@ def test_the_list_of_torch_modules_holds_only_modules_that_exist():
     assert set(MODULES) >= MAY_IMPORT_TORCH
 
 
+def test_only_the_vllm_connector_imports_vllm():
+    """Every import, lazy ones included: nothing else in kvsnap or its CLI can pull vLLM in (where vLLM
+    is installed tests/integration_vllm/test_imports.py checks ``import kvsnap`` itself)."""
+    importers = sorted(m.name for m in MODULES.values() if any(t.split(".")[0] == "vllm" for t in m.all_imports))
+    assert importers == ["kvsnap.integrations.vllm"]
+
+
 @pytest.mark.parametrize(
     "module",
     ["kvsnap", "kvsnap_cli.main", "kvsnap_cli.app", "kvsnap.engine.describe", "kvsnap.store", "kvsnap.integrations"],

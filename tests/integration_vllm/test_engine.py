@@ -7,13 +7,15 @@ to keep the wall time down:
    the prompt alone, two of them sharing its first blocks;
 2. a fresh engine (vLLM's default processes: scheduler and worker apart) answers the prompt and the
    question from the store, then is SIGKILLed while it saves a long new prompt; beside it, an engine
-   on a read-only copy of the store answers the same and tries to save another prompt.
+   on a read-only copy of the store and one on a copy it can no longer write to, as on a full
+   filesystem, answer the same and try to save another prompt.
 """
 
 from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -78,6 +80,12 @@ def read_only(folder: Path) -> tuple[str, ...] | None:
     return wrap if probe.returncode == 0 else None
 
 
+# A full filesystem as a process sees it, as root or not: RLIMIT_FSIZE 0 fails every write that would
+# grow a file (EFBIG where a full disk says ENOSPC: the same failed write() under the store's code).
+# vLLM cannot start that way (it writes temp files): its engine sets the limit once it is up.
+FULL = ("sh", "-c", 'ulimit -f 0 && exec "$@"', "sh")
+
+
 @pytest.fixture(scope="module")
 def second_round(model, prompts, first_round, tmp_path_factory):
     folder = tmp_path_factory.mktemp("vllm-round-2")
@@ -90,6 +98,11 @@ def second_round(model, prompts, first_round, tmp_path_factory):
     if wrap is not None:
         ro_job = job(model, ro_store, (prompts.asked, 16), (prompts.unsaved, 1), in_process=True)
         ro = eng.Engine(ro_job, folder, "read-only", wrap=wrap)
+    full_store = folder / "full-store"
+    shutil.copytree(store, full_store)
+    full_before = eng.files_under(full_store)
+    full_job = job(model, full_store, (prompts.asked, 16), (prompts.unsaved, 1), in_process=True, file_size_limit=0)
+    full = eng.Engine(full_job, folder, "full")
     fresh = eng.Engine(job(model, store, (prompts.asked, 16), (prompts.long, 1)), folder, "fresh")
     answer = fresh.wait_for(0)
     killed = kill_mid_save(fresh, store / "blocks")
@@ -102,6 +115,10 @@ def second_round(model, prompts, first_round, tmp_path_factory):
         ro_records=ro.finish() if ro is not None else None,
         ro_store=ro_store,
         ro_before=ro_before,
+        full=full,
+        full_records=full.finish(),
+        full_store=full_store,
+        full_before=full_before,
     )
 
 
@@ -151,7 +168,9 @@ def test_a_fresh_engine_loads_the_prompts_blocks_and_answers_as_without_the_stor
 
 def test_a_sigkill_mid_save_leaves_the_store_sound(second_round):
     store = BlockStore(second_round.store, create=False)
-    assert store.check() == []
+    # Every block the index names reads; check names only the killed writer's half-written file, if any.
+    problems = store.check()
+    assert all("a temp file a killed writer left" in p for p in problems), problems
     assert store.stats()["blocks"] == 24  # the killed save added nothing the index names
     leftovers = store.gc(verify=False)
     # Proof that the kill landed inside the save: files written that no index names yet.
@@ -166,3 +185,15 @@ def test_a_read_only_store_serves_its_hits_and_saves_nothing(first_round, second
     assert answer["token_ids"] == first_round.reference["token_ids"]
     assert "kvsnap: store save failed" in second_round.ro.log
     assert eng.files_under(second_round.ro_store) == second_round.ro_before
+
+
+def test_a_store_on_a_full_filesystem_serves_its_hits_and_saves_nothing(first_round, second_round):
+    answer, _ = second_round.full_records[1:]
+    assert answer["token_ids"] == first_round.reference["token_ids"]
+    assert answer["num_cached_tokens"] == 7 * BLOCK
+    assert "kvsnap: store save failed" in second_round.full.log
+    # Nothing written, no temp file left behind, and `kvsnap store check` finds it sound, on the full filesystem.
+    assert eng.files_under(second_round.full_store) == second_round.full_before
+    check = [*FULL, sys.executable, "-m", "kvsnap_cli.main", "store", "check", str(second_round.full_store)]
+    out = subprocess.run(check, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
