@@ -22,6 +22,7 @@ import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from kvsnap.serve.errors import bad
@@ -173,6 +174,12 @@ def template_style(template: Any) -> str | None:
         template = template.get("tool_use") or template.get("default")
     if not isinstance(template, str) or "tools" not in template:
         return None
+    return _style(template)
+
+
+@lru_cache(maxsize=16)
+def _style(template: str) -> str | None:
+    """``template_style`` of a template's text (asked at every request with tools: cached)."""
     try:
         import jinja2
         import jinja2.meta
