@@ -113,6 +113,7 @@ class JobResponse:
                     self.namespace,
                     on_ready=lambda: post("ready"),
                     on_text=lambda text: post("text", text),
+                    on_tool_call=lambda index, call: post("tool_call", (index, call)),
                     cancelled=cancel.is_set,
                 )
                 post("done", done)
@@ -189,6 +190,9 @@ class JobResponse:
             event, value = await events.get()
             if event == "text":
                 await self._event(send, p.chunk(kind, self.rid, self.created, self._model, value, with_usage=usage))
+            elif event == "tool_call":
+                piece = p.chunk(kind, self.rid, self.created, self._model, None, with_usage=usage, tool_call=value)
+                await self._event(send, piece)
             elif event == "done":
                 await self._settle()
                 c: Completion = value
@@ -219,7 +223,9 @@ class JobResponse:
         await send({"type": "http.response.body", "body": p.sse(data), "more_body": True})
 
     async def _whole(self, c: Completion, send: Any) -> None:
-        body = p.response(self.req.kind, self.rid, self.created, self._model, c.text, c.finish_reason, _usage(c))
+        body = p.response(
+            self.req.kind, self.rid, self.created, self._model, c.text, c.finish_reason, _usage(c), c.tool_calls
+        )
         body["kvsnap"] = {"prefill_tokens": c.prefill_tokens, "restored_from": c.restored_from, "ttft_s": c.ttft_s}
         self._log_done(c)
         await JSONResponse(body)(self.scope, _no_receive, send)
@@ -241,6 +247,8 @@ class JobResponse:
             f"{self.req.kind}: {c.prompt_tokens:,} prompt tokens ({c.cached_tokens:,} cached, "
             f"{c.prefill_tokens:,} prefilled), {c.completion_tokens:,} new ({c.finish_reason})"
         )
+        if c.tool_calls:
+            line += f", {len(c.tool_calls)} tool call(s)"
         if c.ttft_s is not None:
             line += f", ttft {c.ttft_s:.3f} s"
         self.state.log(line)

@@ -213,3 +213,18 @@ def test_sealed_benchmark_restores_plain_and_sealed(bench, tiny_model_dir):
     assert row["tokens"] == 160 and row["sealed_file_mb"] > row["file_mb"]
     for key in ("plain_restore_s", "sealed_restore_s", "plain_save_s", "sealed_save_s"):
         assert row[key] > 0, key
+
+
+def test_agent_loop_benchmark_reuses_the_fixed_prefix_and_more_with_the_store(bench, tiny_model_dir):
+    # The tiny model's own template takes no tools: the script swaps in a tool template and says so.
+    args = ("--model", str(tiny_model_dir("qwen2")), "--device", "cpu", "--block-size", "16")
+    out, data = bench("agent_loop", *args, "--steps", "2", "--schema-tokens", "200", "--arguments", "1")
+    assert out.startswith("machine: ") and "the model's own takes no tools" in data["template"]
+    first, second = data["rows"]
+    whole = data["fixed_prefix_tokens"] // 16 * 16
+    assert whole > 0 and second["prompt"] > first["prompt"]
+    # Cold reuses nothing; memory only from the second step; the store from the first step on.
+    assert first["cold_cached"] == second["cold_cached"] == 0 and first["memory_cached"] < whole
+    assert second["memory_cached"] >= whole
+    assert first["store_cached"] >= whole and first["store_restart_cached"] >= whole
+    assert all(row[f"{name}_ttft_s"] > 0 for row in data["rows"] for name in ("cold", "memory", "store"))

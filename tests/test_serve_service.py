@@ -101,7 +101,7 @@ def test_a_chat_request_is_read_into_its_fields():
         (chat_body(stream=True, stream_options=[]), CHAT, "stream_options"),
         (chat_body(n=2), CHAT, "n"),
         (chat_body(logprobs=True), CHAT, "logprobs"),
-        (chat_body(tools=[{"type": "function"}]), CHAT, "tools"),
+        (chat_body(tools=[{"type": "function"}]), CHAT, "tools[0]"),
         (chat_body(model=5), CHAT, "model"),
         (body(), COMPLETION, "prompt"),
         (body(prompt=["a", "b"]), COMPLETION, "prompt"),

@@ -8,24 +8,46 @@ did (the same ids, so existing snapshots keep matching).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
+from typing import Any
 
 from kvsnap.errors import ConfigError
 from kvsnap.models.load import LoadedModel
 
 
-def render_chat(lm: LoadedModel, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of ``messages`` in ``lm``'s chat template."""
+def render_chat(
+    lm: LoadedModel,
+    messages: Sequence[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: Sequence[dict[str, Any]] | None = None,
+) -> list[int]:
+    """Token ids of ``messages`` in ``lm``'s chat template; ``tools`` (OpenAI's function tools) go to
+    the template's ``tools`` variable, as transformers' ``apply_chat_template`` passes them."""
     tok = lm.tokenizer
     if not getattr(tok, "chat_template", None):
         raise ConfigError(f"model {lm.name} has no chat template; give a raw prompt instead")
     specials = special_texts(tok)
-    found = sorted({s for m in messages for v in m.values() for s in specials if s in v}, key=len, reverse=True)
+    found = sorted(
+        {s for m in messages for v in m.values() if isinstance(v, str) for s in specials if s in v},
+        key=len,
+        reverse=True,
+    )
+    extra: dict[str, Any] = {"tools": list(tools)} if tools else {}
+    # Tool schemas and past calls are rendered by the template as JSON it builds: no stand-in can
+    # reach inside them, so special-token text there is refused rather than left to forge a turn.
+    nested = json.dumps(
+        [[v for v in m.values() if not isinstance(v, str)] for m in messages] + [extra], ensure_ascii=False
+    )
+    if any(s in nested for s in specials):
+        raise ConfigError("a tool's schema or a tool call holds special-token text, which cannot be kept as text")
     if not found:
-        text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = tok.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **extra
+        )
         return list(tok(text, add_special_tokens=False)["input_ids"])
-    return _render_literal(tok, messages, found, specials, add_generation_prompt)
+    return _render_literal(tok, messages, found, specials, add_generation_prompt, extra)
 
 
 def special_texts(tok) -> set[str]:
@@ -36,19 +58,30 @@ def special_texts(tok) -> set[str]:
 
 
 def _render_literal(
-    tok, messages: Sequence[dict[str, str]], found: list[str], specials: set[str], add_generation_prompt: bool
+    tok,
+    messages: Sequence[dict[str, Any]],
+    found: list[str],
+    specials: set[str],
+    add_generation_prompt: bool,
+    extra: dict[str, Any],
 ) -> list[int]:
     """Render with each special-token text in the messages replaced by a stand-in, so every control
     token of the result is the template's; tokenize that, then re-tokenize only the stretches between
     control tokens that hold a stand-in, from the real text, with special-token text kept as text."""
-    used = {c for m in messages for v in m.values() for c in v if "\ue000" <= c < "\uf900"}
+    used = {c for m in messages for v in m.values() if isinstance(v, str) for c in v if "\ue000" <= c < "\uf900"}
     mark = next((chr(c) for c in range(0xE000, 0xF900) if chr(c) not in used), None)
     if mark is None:
         raise ConfigError("a message holds special-token text and every private-use character: cannot keep it text")
     pattern = re.compile("|".join(map(re.escape, found)))
     index = {s: i for i, s in enumerate(found)}
-    masked = [{k: pattern.sub(lambda x: f"{mark}{index[x.group()]}{mark}", v) for k, v in m.items()} for m in messages]
-    text = tok.apply_chat_template(masked, tokenize=False, add_generation_prompt=add_generation_prompt)
+    masked = [
+        {
+            k: pattern.sub(lambda x: f"{mark}{index[x.group()]}{mark}", v) if isinstance(v, str) else v
+            for k, v in m.items()
+        }
+        for m in messages
+    ]
+    text = tok.apply_chat_template(masked, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
     try:
         enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     except (NotImplementedError, ValueError, TypeError):

@@ -4,8 +4,9 @@ stream chunks built as plain dicts, errors as ``ServeError``. No torch.
 Checks are strict about types (a string where a number belongs is a 400 naming the field, not a
 500 from deep inside sampling) and lenient about fields kvsnap does not use (``user``,
 ``metadata``, ``frequency_penalty``, ...): clients send those by default and expect no error.
-What kvsnap cannot honour and a client would notice (``n`` > 1, ``logprobs``, ``tools``, image
-content) is refused with a 400 rather than silently ignored.
+What kvsnap cannot honour and a client would notice (``n`` > 1, ``logprobs``, image content) is
+refused with a 400 rather than silently ignored. Tools, tool choices and tool messages are read by
+``kvsnap.serve.tools``.
 """
 
 from __future__ import annotations
@@ -15,15 +16,18 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from kvsnap.errors import KvsnapError
 from kvsnap.serve.body import TooLarge, parse_json
+from kvsnap.serve.errors import ServeError, bad
+from kvsnap.serve.tools import ToolCall, ToolChoice, parse_tools, tool_fields
+
+__all__ = ["CHAT", "COMPLETION", "CompletionRequest", "ServeError", "bad", "parse_request"]
 
 CHAT = "chat"
 COMPLETION = "completion"
 
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; a few more cost nothing)
 MAX_SEED = 2**63
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 # kvsnap's stop reasons as OpenAI finish reasons: every way an answer ends early on its own is
 # "stop" (a repetition loop included); running out of tokens or context is "length".
@@ -37,42 +41,13 @@ FINISH_REASONS = {
 }
 
 
-class ServeError(KvsnapError):
-    """A request the server refuses, with what the OpenAI error JSON carries."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str | None = None,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
-        self.param = param
-        self.code = code
-        self.headers = dict(headers or {})
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad(message: str, param: str | None = None, code: str | None = None) -> ServeError:
-    return ServeError(400, message, param=param, code=code)
-
-
 @dataclass(frozen=True, slots=True)
 class CompletionRequest:
     """One checked request. ``None`` means "not given": the server's defaults apply."""
 
     kind: str  # CHAT or COMPLETION
     model: str | None
-    messages: tuple[dict[str, str], ...] | None  # chat
+    messages: tuple[dict[str, Any], ...] | None  # chat: role and content, and tool fields where given
     prompt: str | None  # completion
     max_tokens: int | None
     temperature: float | None
@@ -82,6 +57,8 @@ class CompletionRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    tools: tuple[dict[str, Any], ...] = ()  # {"type": "function", "function": {...}} each
+    tool_choice: ToolChoice | None = None  # None: no tools
 
     @property
     def param(self) -> str:
@@ -114,8 +91,11 @@ def parse_request(body: bytes | dict[str, Any], kind: str) -> CompletionRequest:
         raise bad("only n=1 is supported (one answer per request)", "n")
     if data.get("logprobs") not in (None, False, 0) or data.get("top_logprobs") not in (None, 0):
         raise bad("logprobs are not supported", "logprobs")
-    if data.get("tools") or data.get("functions"):
-        raise bad("tool calling is not supported", "tools")
+    tools, tool_choice = (), None
+    if kind == CHAT:
+        tools, tool_choice = parse_tools(data)
+    elif data.get("tools") is not None:
+        raise bad("tools are for /v1/chat/completions", "tools")
     if kind == COMPLETION and data.get("echo"):
         raise bad("echo is not supported", "echo")
     limit_key = "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
@@ -155,6 +135,8 @@ def parse_request(body: bytes | dict[str, Any], kind: str) -> CompletionRequest:
         stop=_stop(data.get("stop")),
         stream=stream,
         include_usage=include_usage and stream,
+        tools=tools,
+        tool_choice=tool_choice,
     )
 
 
@@ -168,7 +150,7 @@ def _text(value: Any, param: str) -> str:
     return value
 
 
-def _messages(value: Any) -> tuple[dict[str, str], ...]:
+def _messages(value: Any) -> tuple[dict[str, Any], ...]:
     if value is None:
         raise bad("messages is required", "messages")
     if not isinstance(value, list) or not value:
@@ -181,7 +163,13 @@ def _messages(value: Any) -> tuple[dict[str, str], ...]:
         role = message.get("role")
         if role not in ROLES:
             raise bad(f"{where}.role must be one of {', '.join(ROLES)}", f"{where}.role")
-        out.append({"role": ROLES[role], "content": _content(message.get("content"), role, f"{where}.content")})
+        one: dict[str, Any] = {
+            "role": ROLES[role],
+            "content": _content(message.get("content"), role, f"{where}.content"),
+        }
+        if role in ("assistant", "tool"):
+            one.update(tool_fields(message, role, where))
+        out.append(one)
     return tuple(out)
 
 
@@ -267,10 +255,24 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def response(kind: str, rid: str, created: int, model: str, text: str, finish: str, use: dict[str, Any]) -> dict:
-    """A whole (non-streamed) answer."""
+def response(
+    kind: str,
+    rid: str,
+    created: int,
+    model: str,
+    text: str,
+    finish: str,
+    use: dict[str, Any],
+    tool_calls: tuple[ToolCall, ...] = (),
+) -> dict:
+    """A whole (non-streamed) answer; a chat answer's ``tool_calls`` in OpenAI's shape (its content
+    null when it only called tools, as OpenAI's is)."""
     if kind == CHAT:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["content"] = text or None
+            message["tool_calls"] = [call.as_openai() for call in tool_calls]
+        choice = {"index": 0, "message": message, "logprobs": None}
         obj = "chat.completion"
     else:
         choice, obj = {"index": 0, "text": text, "logprobs": None}, "text_completion"
@@ -288,13 +290,17 @@ def chunk(
     finish: str | None = None,
     first: bool = False,
     with_usage: bool = False,
+    tool_call: tuple[int, ToolCall] | None = None,
 ) -> dict[str, Any]:
-    """One streamed piece: ``text`` (None: no text in it), ``finish`` on the last. With ``with_usage``
+    """One streamed piece: ``text`` (None: no text in it), ``finish`` on the last, or one whole
+    ``tool_call`` (its index in the answer, the call) as ``delta.tool_calls``. With ``with_usage``
     (``stream_options.include_usage``) every chunk carries ``"usage": null``, as OpenAI's do."""
     if kind == CHAT:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text is not None:
             delta["content"] = text
+        if tool_call is not None:
+            delta["tool_calls"] = [tool_call[1].as_openai(tool_call[0])]
         choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:

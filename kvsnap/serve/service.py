@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from kvsnap.config import CHAT_SAMPLING, SamplingParams, SessionConfig
 from kvsnap.errors import ConfigError, KvsnapError
 from kvsnap.models.plain_tokenizer import longest_token_bytes
 from kvsnap.serve.protocol import CHAT, FINISH_REASONS, CompletionRequest, ServeError, bad
+from kvsnap.serve.tools import ToolCall, ToolStream, forced_text, template_style
 
 if TYPE_CHECKING:
     from kvsnap.engine.session import Session
@@ -54,6 +56,7 @@ class Completion:
     ttft_s: float | None
     total_s: float
     store_error: str | None
+    tool_calls: tuple[ToolCall, ...] = ()  # the calls read from the answer; ``text`` is what lies outside them
 
 
 @dataclass
@@ -157,6 +160,9 @@ class Service:
         if self.text_limit is None:
             return
         texts = [m["content"] for m in req.messages or ()] if req.kind == CHAT else [req.prompt or ""]
+        # Tool schemas and past calls are rendered too; their JSON is at least as long as their text.
+        calls = [m["tool_calls"] for m in req.messages or () if m.get("tool_calls")]
+        texts += [json.dumps(part, ensure_ascii=False) for part in (req.tools, *calls) if part]
         chars = sum(map(len, texts))
         if chars * 4 <= self.text_limit:  # UTF-8 spends at most 4 bytes on a character
             return
@@ -177,9 +183,16 @@ class Service:
         from kvsnap.engine.chat_template import render_chat
 
         self.check_size(req)
+        style = self.tool_style(req)
         try:
             if req.kind == CHAT:
-                ids = render_chat(self.lm, list(req.messages or ()))
+                ids = render_chat(self.lm, list(req.messages or ()), tools=req.tools or None)
+                if (
+                    style is not None
+                    and req.tool_choice is not None
+                    and (forced := forced_text(style, req.tool_choice))
+                ):
+                    ids += self.lm.tokenizer(forced, add_special_tokens=False)["input_ids"]
             else:
                 ids = list(self.lm.tokenizer(req.prompt)["input_ids"])
         except KvsnapError as exc:
@@ -198,6 +211,21 @@ class Service:
             )
         return ids
 
+    def tool_style(self, req: CompletionRequest) -> str | None:
+        """How the model writes tool calls (``kvsnap.serve.tools.STYLES``), None for a request
+        without tools; a 400 when the model's chat template shows a model no tools."""
+        if not req.tools:
+            return None
+        style = template_style(getattr(self.lm.tokenizer, "chat_template", None))
+        if style is None:
+            raise bad(
+                f"the chat template of {self.model_id} does not support tools (it never reads them): "
+                "send the request without tools, or serve a model whose template takes tools",
+                "tools",
+                code="tools_not_supported",
+            )
+        return style
+
     def complete(
         self,
         req: CompletionRequest,
@@ -205,10 +233,12 @@ class Service:
         *,
         on_ready: Callable[[], None] | None = None,
         on_text: Callable[[str], None] | None = None,
+        on_tool_call: Callable[[int, ToolCall], None] | None = None,
         cancelled: Callable[[], bool] | None = None,
     ) -> Completion:
         """Answer ``req`` in ``namespace``'s session. ``on_ready`` is called once the prompt is accepted
-        (rendered, within the context), before any model work; ``on_text`` with each piece of the answer.
+        (rendered, within the context), before any model work; ``on_text`` with each piece of the answer,
+        and, for a request with tools, ``on_tool_call`` with each call read from it (its index, the call).
         When ``cancelled()`` turns true the work stops before the model's next forward (a prefill chunk
         or a decode step) and ``Cancelled`` is raised; the session keeps the KV of the tokens it holds."""
         self.check_model(req.model)
@@ -216,6 +246,7 @@ class Service:
         try:
             ids = self.prompt_ids(req)
             params = self.sampling(req, len(ids))
+            style = self.tool_style(req)
         except ServeError:
             ledger.failed += 1
             raise
@@ -231,10 +262,28 @@ class Service:
             if cancelled is not None and cancelled():
                 raise Cancelled()
 
+        calls: list[ToolCall] = []
+        content: list[str] = []
+
+        def give(pieces: list[str | ToolCall]) -> None:
+            for piece in pieces:
+                if isinstance(piece, ToolCall):
+                    calls.append(piece)
+                    if on_tool_call is not None:
+                        on_tool_call(len(calls) - 1, piece)
+                else:
+                    content.append(piece)
+                    if on_text is not None:
+                        on_text(piece)
+
+        reader = None
+        if style is not None and req.tool_choice is not None and req.tool_choice.parses:
+            reader = ToolStream(style, [t["function"]["name"] for t in req.tools])
+            reader.push(forced_text(style, req.tool_choice))  # the answer's start, written into the prompt
+
         def text(piece: str) -> None:
             check()
-            if on_text is not None:
-                on_text(piece)
+            give(reader.push(piece) if reader is not None else [piece])
 
         # Every prefill chunk and decode step passes through the model's forward: checked there, a
         # cancel takes effect within one step even while the answer's text is held back (a partial
@@ -251,9 +300,11 @@ class Service:
             raise
         finally:
             hook.remove()
+        if reader is not None:
+            give(reader.finish())
         completion = Completion(
-            text=result.text,
-            finish_reason=FINISH_REASONS.get(result.stop_reason, "stop"),
+            text="".join(content) if reader is not None else result.text,
+            finish_reason="tool_calls" if calls else FINISH_REASONS.get(result.stop_reason, "stop"),
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.new_tokens,
             cached_tokens=result.hit_tokens,
@@ -262,6 +313,7 @@ class Service:
             ttft_s=result.ttft_s,
             total_s=result.total_s,
             store_error=result.store_error,
+            tool_calls=tuple(calls),
         )
         ledger.add(completion)
         return completion
