@@ -17,6 +17,35 @@ from kvsnap.models.load import LoadedModel
 
 def render_chat(lm: LoadedModel, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
     """Token ids of ``messages`` in ``lm``'s chat template."""
+    ids = _render(lm, messages, add_generation_prompt, cut=None)
+    assert ids is not None
+    return ids
+
+
+def render_after(
+    lm: LoadedModel,
+    history: Sequence[dict[str, str]],
+    new: Sequence[dict[str, str]],
+    add_generation_prompt: bool = True,
+) -> list[int] | None:
+    """Token ids the template writes after the content of ``history``'s last message once ``new``
+    follows it: that message's closing, the new messages and the generation prompt. The earlier
+    messages are not tokenized (their ids are the ones already run). None when the template does not
+    render that content as it is (nothing to cut the rendering at)."""
+    if not history:
+        return None
+    used = {c for m in [*history, *new] for v in m.values() for c in v if "\ue000" <= c < "\uf900"}
+    cut = next((chr(c) for c in range(0xF8FF, 0xE000, -1) if chr(c) not in used), None)
+    if cut is None:
+        return None
+    marked = [*history[:-1], {**history[-1], "content": cut}, *new]
+    return _render(lm, marked, add_generation_prompt, cut=cut)
+
+
+def _render(
+    lm: LoadedModel, messages: Sequence[dict[str, str]], add_generation_prompt: bool, cut: str | None
+) -> list[int] | None:
+    """Render and tokenize; with ``cut``, only the text after that character (None when it is missing)."""
     tok = lm.tokenizer
     if not getattr(tok, "chat_template", None):
         raise ConfigError(f"model {lm.name} has no chat template; give a raw prompt instead")
@@ -24,8 +53,16 @@ def render_chat(lm: LoadedModel, messages: Sequence[dict[str, str]], add_generat
     found = sorted({s for m in messages for v in m.values() for s in specials if s in v}, key=len, reverse=True)
     if not found:
         text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
-        return list(tok(text, add_special_tokens=False)["input_ids"])
-    return _render_literal(tok, messages, found, specials, add_generation_prompt)
+        text = _after(text, cut)
+        return None if text is None else list(tok(text, add_special_tokens=False)["input_ids"])
+    return _render_literal(tok, messages, found, specials, add_generation_prompt, cut)
+
+
+def _after(text: str, cut: str | None) -> str | None:
+    if cut is None:
+        return text
+    at = text.find(cut)
+    return text[at + len(cut) :] if at >= 0 and text.count(cut) == 1 else None
 
 
 def special_texts(tok) -> set[str]:
@@ -36,19 +73,26 @@ def special_texts(tok) -> set[str]:
 
 
 def _render_literal(
-    tok, messages: Sequence[dict[str, str]], found: list[str], specials: set[str], add_generation_prompt: bool
-) -> list[int]:
+    tok,
+    messages: Sequence[dict[str, str]],
+    found: list[str],
+    specials: set[str],
+    add_generation_prompt: bool,
+    cut: str | None = None,
+) -> list[int] | None:
     """Render with each special-token text in the messages replaced by a stand-in, so every control
     token of the result is the template's; tokenize that, then re-tokenize only the stretches between
     control tokens that hold a stand-in, from the real text, with special-token text kept as text."""
     used = {c for m in messages for v in m.values() for c in v if "\ue000" <= c < "\uf900"}
-    mark = next((chr(c) for c in range(0xE000, 0xF900) if chr(c) not in used), None)
+    mark = next((chr(c) for c in range(0xE000, 0xF900) if chr(c) not in used and chr(c) != cut), None)
     if mark is None:
         raise ConfigError("a message holds special-token text and every private-use character: cannot keep it text")
     pattern = re.compile("|".join(map(re.escape, found)))
     index = {s: i for i, s in enumerate(found)}
     masked = [{k: pattern.sub(lambda x: f"{mark}{index[x.group()]}{mark}", v) for k, v in m.items()} for m in messages]
-    text = tok.apply_chat_template(masked, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = _after(tok.apply_chat_template(masked, tokenize=False, add_generation_prompt=add_generation_prompt), cut)
+    if text is None:
+        return None
     try:
         enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     except (NotImplementedError, ValueError, TypeError):
