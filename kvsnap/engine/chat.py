@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvsnap import conversation, prefix
 from kvsnap.config import SamplingParams
 from kvsnap.engine import explain
-from kvsnap.engine.chat_template import render_after
+from kvsnap.engine.chat_template import continue_ids
 from kvsnap.engine.chat_view import Fit, ViewHost, fit_turn
 from kvsnap.engine.results import TurnResult
 from kvsnap.engine.runner import Generation
@@ -111,14 +111,7 @@ def _appended(session: ChatHost, messages: list[dict[str, str]], view: Fit) -> l
         return None
     if not conversation.continues(session.turn_ends, len(history), session.num_tokens):
         return None
-    tail = render_after(session.lm, chat_view(history, view.dropped), messages[-1:])
-    if not tail:
-        return None
-    base = session.all_tokens
-    # An answer that ended on its end-of-turn token: the template's closing starts with that token again.
-    if base[-1] in session.lm.eos_token_ids and tail[0] == base[-1]:
-        tail = tail[1:]
-    return base + tail
+    return continue_ids(session.lm, session.all_tokens, chat_view(history, view.dropped), messages[-1:])
 
 
 def undo(session: ChatHost) -> bool:

@@ -42,6 +42,21 @@ def render_after(
     return _render(lm, marked, add_generation_prompt, cut=cut)
 
 
+def continue_ids(
+    lm: LoadedModel, ran_ids: Sequence[int], history: Sequence[dict[str, str]], new: Sequence[dict[str, str]]
+) -> list[int] | None:
+    """``ran_ids`` (``history`` as the model ran it, ending with its last message's content) with ``new``
+    and the generation prompt appended as the template writes them after ``history``; None when the
+    template gives no place to cut (then render the whole conversation)."""
+    tail = render_after(lm, history, new)
+    if not tail or not ran_ids:
+        return None
+    # An answer that ended on its end-of-turn token: the template's closing starts with that token again.
+    if ran_ids[-1] in lm.eos_token_ids and tail[0] == ran_ids[-1]:
+        tail = tail[1:]
+    return [*ran_ids, *tail]
+
+
 def _render(
     lm: LoadedModel, messages: Sequence[dict[str, str]], add_generation_prompt: bool, cut: str | None
 ) -> list[int] | None:

@@ -153,9 +153,10 @@ class Session:
 
     def _commit(self, state: restoring.Restored) -> RestoreStats:
         """Take a restored state whole (only once everything was read and checked)."""
-        self.cache = state.cache
-        self.tokens = state.tokens
-        self.pending, self.turn_ends = list(state.pending), list(state.turn_ends)
+        # A prefix restored for a prompt keeps the turn ends it still holds (a chat's earlier exchanges).
+        kept = conversation.ends_within(self.turn_ends, prefix.common_prefix_len(self.all_tokens, state.tokens))
+        self.cache, self.tokens = state.cache, state.tokens
+        self.pending, self.turn_ends = list(state.pending), list(state.turn_ends) or kept
         logits = state.last_logits
         self.last_logits = torch.from_numpy(logits).to(self.lm.device) if logits is not None else None
         self.encoded = EncodedBlocks(state.encoded)
