@@ -69,6 +69,36 @@ def test_a_resumed_chat_continues_as_the_one_in_memory_and_as_a_recompute(llama,
     assert b.text == cold_answer(llama, s.all_tokens[: b.prompt_tokens])
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"turn_ends": [[3, 40], [3, 50]], "pending_ids": [2]},  # not increasing
+        {"turn_ends": [[3, 40], [5, 10_000]]},  # past the tokens held
+        {"turn_ends": [[3, True]]},
+        {"turn_ends": "3:40"},
+        {"turn_ends": [[3, 40]], "pending_ids": [-1]},
+        {"turn_ends": [[3, 40]], "pending_ids": [10**9]},  # no such token
+    ],
+)
+def test_turn_ends_that_do_not_fit_the_file_are_ignored_and_the_chat_renders_again(llama, tmp_path, extra):
+    import dataclasses
+
+    from kvsnap.engine import snapshot_save
+
+    s = session(llama)
+    s.chat("first", SAMPLED, system="be brief")
+    s.save(tmp_path / "c.kv")
+    good = session(llama)
+    good.restore(tmp_path / "c.kv")
+    assert good.turn_ends == s.turn_ends
+    snapshot_save.save(dataclasses.replace(s.contents(), marks=extra), tmp_path / "bad.kv", flushed=0)
+    resumed = session(llama)
+    resumed.restore(tmp_path / "bad.kv")
+    assert resumed.turn_ends == [] and resumed.pending == []
+    r = resumed.chat("second", GREEDY)  # rendered again: the chat goes on
+    assert r.hit_tokens > 0 and r.text == cold_answer(llama, resumed.all_tokens[: r.prompt_tokens])
+
+
 def test_undo_keeps_the_kv_of_the_turn_before_without_running_the_model(llama, forward_counter):
     from kvsnap.engine.chat import undo
 

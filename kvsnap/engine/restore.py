@@ -52,11 +52,15 @@ class Restored:
     turn_ends: conversation.TurnEnds = field(default_factory=list)
 
 
-def _marks(extra: dict[str, Any], messages: list[dict[str, str]] | None, tokens: list[int]) -> dict[str, Any]:
-    """The chat's pending ids and turn ends, for a whole restore with messages (else none)."""
+def _marks(lm: LoadedModel, extra: dict[str, Any], messages: list[dict[str, str]] | None, tokens: list[int]) -> dict:
+    """The chat's pending ids and turn ends, for a whole restore with messages (else none). Pending ids
+    the model has no embedding for are a file that does not fit: both are ignored."""
     if messages is None or not tokens:
         return {}
     turn_ends, pending = conversation.read(extra, len(messages), len(tokens))
+    vocab = int(getattr(lm.config, "vocab_size", 0) or len(lm.tokenizer))
+    if any(t >= vocab for t in pending):
+        return {}
     return {"pending": pending, "turn_ends": turn_ends}
 
 
@@ -125,7 +129,9 @@ def from_snapshot(
     seconds = time.perf_counter() - t0
     stats = RestoreStats(str(path), meta.num_tokens, hit, num_blocks, seconds, meta.block_size, made_by)
     dropped = meta.dropped_messages if messages is not None else 0
-    return Restored(cache, tokens, logits, encoded, messages, stats, dropped, **_marks(meta.extra, messages, tokens))
+    return Restored(
+        cache, tokens, logits, encoded, messages, stats, dropped, **_marks(lm, meta.extra, messages, tokens)
+    )
 
 
 def _read_blocks(lm: LoadedModel, snap: Snapshot, prompt_ids, hit: int, num_blocks: int) -> tuple[KVCache, list]:
@@ -259,7 +265,7 @@ def from_store_session(lm: LoadedModel, store: BlockStore, name: str, fmt: Block
     where = f"store session {name!r}"
     stats = RestoreStats(where, num_tokens, num_tokens, len(blocks), seconds, chain.block_size, made_by)
     tokens = list(record.token_ids)
-    marks = _marks(record.extra, messages, tokens)
+    marks = _marks(lm, record.extra, messages, tokens)
     return Restored(restorer.finish(lm.config), tokens, last, encoded, messages, stats, dropped, **marks)
 
 
