@@ -7,12 +7,16 @@ sampled, the last sampled token included although it has no KV yet), the tokens 
 matching a fresh rendering of the conversation would have reused (the longest common prefix).
 
     .venv/bin/python benchmarks/chat_reuse.py [--turns 20] [--seeds 5] [--temperature 0.7] [--max-new-tokens 48]
+
+On a busy machine the seeds can run as processes of their own (``--first-seed K --seeds 1``, each with its
+own ``KVSNAP_BENCH_RESULTS``), and ``--combine A.json B.json ...`` prints their table together.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import time
 from pathlib import Path
@@ -94,16 +98,28 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--combine", nargs="+", type=Path, metavar="JSON", help="print these runs' seeds as one table")
     args = parser.parse_args()
+    if args.combine:
+        runs = [json.loads(path.read_text()) for path in args.combine]
+        report([r for run in runs for r in run["rows"] if r["seed"] != "all"], runs[0]["machine"], vars(args), 0.0)
+        return
     lm = load_model(args.model)
     session = Session(lm)
     rows = []
     t0 = time.perf_counter()
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=seed)
         rows.append(one_chat(session, args.turns, params, seed))
         print(f"seed {seed}: {rows[-1]['reused_share']:.2%} reused", flush=True)
-        write_json("chat_reuse", {"args": vars(args), "rows": rows, "complete": False})  # a long run keeps its seeds
+        write_json(
+            "chat_reuse", {"machine": machine(), "args": vars(args), "rows": rows, "complete": False}
+        )  # a long run keeps its seeds
+    report(rows, machine(), vars(args), round(time.perf_counter() - t0, 1))
+
+
+def report(rows: list[dict], info: dict, args: dict, seconds: float) -> None:
     total = {k: sum(r[k] for r in rows) for k in ("previous_tokens", "kv_tokens", "reused_tokens", "rerender_tokens")}
     rows.append(
         {
@@ -118,7 +134,6 @@ def main() -> None:
             "rerender_broke_turns": sum(r["rerender_broke_turns"] for r in rows),
         }
     )
-    info = machine()
     print(describe(info))
     cols = [
         ("seed", "seed", ""),
@@ -131,8 +146,7 @@ def main() -> None:
         ("rerender_broke_turns", "turns re-render breaks", "d"),
     ]
     print(table(rows, cols))
-    seconds = round(time.perf_counter() - t0, 1)
-    write_json("chat_reuse", {"machine": info, "args": vars(args), "rows": rows, "seconds": seconds, "complete": True})
+    write_json("chat_reuse", {"machine": info, "args": args, "rows": rows, "seconds": seconds, "complete": True})
 
 
 if __name__ == "__main__":

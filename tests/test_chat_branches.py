@@ -219,3 +219,19 @@ def test_store_branches_share_their_first_blocks_in_the_tree(model, tmp_path):
         return [*node["sessions"], *(n for c in node["children"] for n in names(c))]
 
     assert sorted(names(shared)) == ["main", "main-2"]
+
+
+def test_a_turn_interrupted_before_its_answer_leaves_the_ids_to_append_to(llama):
+    s = session(llama)
+    s.chat("first", SAMPLED, system="be brief")
+    held, ends = s.all_tokens, list(s.turn_ends)
+
+    def boom(done, total):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        s.chat("second", GREEDY, on_progress=boom)
+    assert s.all_tokens == held and s.turn_ends == ends
+    r = s.chat("second", GREEDY)
+    assert r.hit_tokens == len(held) - 1  # all but the answer's last sampled token, run now
+    assert r.text == cold_answer(llama, s.all_tokens[: r.prompt_tokens])

@@ -58,20 +58,22 @@ def chat_turn(
     on_progress: Callable[[int, int], None] | None = None,
     store_session: str | None = None,
 ) -> TurnResult:
-    """Append the user message, render it with the chat template, reuse what matches, answer."""
+    """Append the user message to the ids the chat ran (or render the view, after a drop), answer."""
     messages = list(session.messages or [])
     if not messages and system:
         messages.append({"role": "system", "content": system})
     messages.append({"role": "user", "content": user_text})
     before_tokens, before_messages, before_dropped = list(session.tokens), session.messages, session.dropped_messages
-    before_ends = list(session.turn_ends)
+    before_ends, before_pending = list(session.turn_ends), list(session.pending)
     view = fit_turn(session, messages, params.max_new_tokens)  # changes nothing: it only renders
     shown = chat_view(messages, view.dropped)
     ids = _appended(session, messages, view) or view.ids
     rerender = None
     if session.config.explain and ids != view.ids:
         decode = session.lm.tokenizer.decode
-        kw = dict(block_size=session.config.block_size, reused=len(ids) - 1, source="session", prompt_messages=shown)
+        kw = dict(
+            block_size=session.config.block_size, reused=len(session.tokens), source="session", prompt_messages=shown
+        )
         rerender = explain.explain(view.ids, ids, decode, **kw).as_dict()
 
     def keep(gen: Generation | None) -> None:
@@ -91,7 +93,9 @@ def chat_turn(
             session.dropped_messages = before_dropped
             session.pending = []
             session.truncate(prefix.common_prefix_len(before_tokens, session.tokens))
-            session.turn_ends = conversation.ends_within(before_ends, len(session.tokens))
+            if session.tokens == before_tokens:  # the answer's last sampled token is still to be run
+                session.pending = before_pending
+            session.turn_ends = conversation.ends_within(before_ends, session.num_tokens)
         raise
     if view.dropped_turns or rerender is not None:
         result = dataclasses.replace(result, dropped_turns=view.dropped_turns, rerender=rerender)
