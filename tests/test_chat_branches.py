@@ -180,8 +180,11 @@ def test_fork_continues_beside_the_file_and_leaves_the_original_as_it_was(model,
     named = chat(model, "/fork side\nsix\n", "--resume", str(path))
     assert named.returncode == 0, named.stderr
     assert users(tmp_path / "side.kv") == ["one", "two", "four", "six"] and len(users(path)) == 3
-    refused = chat(model, "/fork side\n", "--resume", str(path))
+    (tmp_path / "link.kv").symlink_to(tmp_path / "elsewhere.kv")  # dangling: a save would create its target
+    refused = chat(model, "/fork side\n/fork link\n", "--resume", str(path))
     assert "side.kv exists; pick another name" in refused.stderr
+    assert "link.kv exists; pick another name" in refused.stderr and not (tmp_path / "elsewhere.kv").exists()
+    assert oct((tmp_path / "talk-2.kv").stat().st_mode & 0o777) == "0o600"
 
 
 def test_undo_in_the_chat_runs_only_the_next_message(model, tmp_path):
