@@ -4,7 +4,8 @@ the whole conversation again and matching it.
 Each seed is one chat of ``--turns`` turns in memory (`Session.chat`, as `kvsnap chat` runs it), sampled at
 ``--temperature``. For every turn after the first: the previous turn's tokens (its prompt and the answer as
 sampled, the last sampled token included although it has no KV yet), the tokens this turn reused, and what
-matching a fresh rendering of the conversation would have reused (the longest common prefix).
+matching a fresh rendering of the conversation would have reused (the longest common prefix, of the tokens
+with KV).
 
     .venv/bin/python benchmarks/chat_reuse.py [--turns 20] [--seeds 5] [--temperature 0.7] [--max-new-tokens 48]
 
@@ -65,7 +66,8 @@ def one_chat(session: Session, turns: int, params: SamplingParams, seed: int) ->
         computed = len(session.tokens)
         if t:
             view = [*(session.view_messages or []), {"role": "user", "content": question}]
-            matched = common_prefix_len(before, session.render_chat(view))
+            # A rendering can reuse only tokens with KV: the answer's last sampled token has none yet.
+            matched = min(common_prefix_len(before, session.render_chat(view)), computed)
         result = session.chat(question, dataclasses.replace(params, seed=seed * 1000 + t), system=SYSTEM)
         if not t:
             continue
