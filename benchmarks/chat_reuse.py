@@ -105,7 +105,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.combine:
         runs = [json.loads(path.read_text()) for path in args.combine]
-        report([r for run in runs for r in run["rows"] if r["seed"] != "all"], runs[0]["machine"], vars(args), 0.0)
+        info = next((run["machine"] for run in runs if "machine" in run), None) or machine()
+        given = {**vars(args), "combine": [str(path) for path in args.combine]}
+        report([r for run in runs for r in run["rows"] if r["seed"] != "all"], info, given, 0.0)
         return
     lm = load_model(args.model)
     session = Session(lm)
