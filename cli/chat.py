@@ -33,6 +33,10 @@ HELP = """commands:
   /save! [FILE]  save now, replacing the file whatever it holds
   /stats         tokens, reuse and sizes
   /reset         start a new conversation; the autosave file keeps the old one and autosave moves beside it
+  /fork [NAME]   branch: write the conversation so far beside the file (or to store session NAME) and go on
+                 there; the original stays as it is
+  /history       list the turns
+  /undo          drop the last exchange (the KV up to the turn before it is kept)
   /say TEXT      send TEXT as a message even if it starts with / (or type //text)
   /exit          quit (Ctrl-D too)
   /help          this list
@@ -224,6 +228,8 @@ def _turn(text: str, session, params, keeping: Keeping, interactive: bool, syste
         if result.miss is not None and result.miss["cause"] != "none":  # --explain: a turn reused less than it held
             for line in ui.miss_lines(result.miss):
                 ui.note(line)
+        for line in ui.rerender_lines(result.rerender) if result.rerender is not None else ():
+            ui.note(line)
         if result.store_error:
             ui.note(f"warning: {result.store_error}")
     if keeping.target is not None:
@@ -344,6 +350,12 @@ def _command(cmd: Command, session, keeping: Keeping, interactive: bool) -> bool
         chat_commands.stats(session, keeping)
     elif name == "/reset":
         chat_commands.reset(session, keeping)
+    elif name == "/fork":
+        chat_commands.fork(session, keeping, arg or None, save=lambda target: _save(session, target))
+    elif name == "/history":
+        chat_commands.history(session)
+    elif name == "/undo":
+        chat_commands.undo(session, keeping, save=lambda target: _save(session, target))
     else:
         ui.error(f"unknown command {name} (/help lists them; //text or /say TEXT sends a message starting with /)")
     return True

@@ -337,6 +337,18 @@ def miss_lines(miss: dict[str, Any]) -> list[str]:
     return lines
 
 
+def rerender_lines(rerender: dict[str, Any]) -> list[str]:
+    """A chat kept the ids it ran where rendering the conversation again would tokenize it otherwise."""
+    pos = rerender["position"]
+    at = f"token {pos:,}" if pos is not None else "its end"
+    lines = [f"kept the {rerender['source_tokens']:,} tokens the model saw; rendering again would differ at {at}: "
+             f"{rerender['why']}"]  # fmt: skip
+    if pos is not None:
+        lines.append(f"  kept    : ...{_shown(rerender['before'])}»{_shown(rerender['source_after'])}...")
+        lines.append(f"  rendered: ...{_shown(rerender['before'])}»{_shown(rerender['prompt_after'])}...")
+    return lines
+
+
 def _shown(text: str) -> str:
     return printable(text.replace("\n", "\\n").replace("\t", "\\t"))
 

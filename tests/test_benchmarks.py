@@ -155,6 +155,23 @@ def test_chat_quality_benchmark(bench, tiny_model_dir):
     assert all(0 <= r["correct"] <= 1 for r in rows.values()) and "correct" in out
 
 
+def test_chat_reuse_benchmark_reuses_every_token_with_kv(bench, tiny_model_dir, tmp_path):
+    out, data = bench(
+        "chat_reuse", "--model", str(tiny_model_dir("llama")), "--turns", "3", "--seeds", "2", "--max-new-tokens", "6",
+        "--temperature", "1.5",
+    )  # fmt: skip
+    *seeds, total = data["rows"]
+    assert [r["seed"] for r in seeds] == [0, 1] and total["seed"] == "all"
+    # Only the answer's last sampled token, which has no KV yet, is run again.
+    assert total["share_of_kv"] == 1.0 and total["previous_tokens"] - total["reused_tokens"] == 2 * 2
+    assert total["rerender_share"] <= total["reused_share"] and "reused of previous turn" in out
+    # Seeds run apart print one table together.
+    apart = tmp_path / "seeds.json"
+    apart.write_text(json.dumps(data))
+    _, combined = bench("chat_reuse", "--combine", str(apart), str(apart))
+    assert combined["rows"][-1]["previous_tokens"] == 2 * total["previous_tokens"]
+
+
 def test_startup_benchmark_times_each_stage_of_a_new_process(bench, tiny_model_dir):
     args = ("--model", str(tiny_model_dir("llama")), "--device", "cpu", "--lengths", "160", "--repeats", "1")
     out, data = bench("startup", *args)

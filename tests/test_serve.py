@@ -162,14 +162,19 @@ def test_models_and_health(server):
     assert server.request("GET", "/health")[2] == {"status": "ok"}
 
 
-def test_a_three_turn_chat_reuses_each_turn_and_answers_as_a_cold_run(server, lm):
+def test_a_three_turn_chat_reuses_each_turn_and_answers_as_the_same_chat_in_process(server, lm):
     client = server.client()
     messages = [
         {"role": "system", "content": "You are the reference desk of a railway museum; answer briefly."},
         {"role": "user", "content": "What is the capital of France?"},
     ]
+    # The server runs each turn on the ids the earlier ones ran, as a chat does: the same answers.
+    reference = Session(lm, block_size=BS, chunk_size=32)
     previous_prompt = None
     for turn in range(3):
+        expected = reference.chat(
+            messages[-1]["content"], SamplingParams(max_new_tokens=8, temperature=0), system=messages[0]["content"]
+        ).text
         if turn == 1:  # one turn streamed, the others not
             text, usage = stream_chat(client, messages, 8)
         else:
@@ -178,10 +183,10 @@ def test_a_three_turn_chat_reuses_each_turn_and_answers_as_a_cold_run(server, lm
             )
             text, usage = answer.choices[0].message.content, answer.usage
             assert answer.choices[0].finish_reason == "length" and answer.model == "tiny-endless"
-        assert text == cold_chat(lm, messages, 8)
+        assert text == expected
         assert usage.completion_tokens == 8
         if previous_prompt is not None:
-            assert cached(usage) >= previous_prompt // BS * BS
+            assert cached(usage) == previous_prompt + 8 - 1  # all but the last answer token, which had no KV
         previous_prompt = usage.prompt_tokens
         messages += [
             {"role": "assistant", "content": text},

@@ -11,6 +11,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from kvsnap.config import CHAT_SAMPLING, SamplingParams
 from kvsnap.engine.session import Session
+from kvsnap.prefix import common_prefix_len
 from kvsnap.serve import (
     CHAT,
     COMPLETION,
@@ -224,10 +225,11 @@ def chat(content: list[str] | str, answers: list[str] = (), **fields):
     return parse_request(body(messages=messages, **fields), CHAT)
 
 
-def cold(lm, req) -> str:
+def cold(lm, req, prompt_ids: list[int] | None = None) -> str:
+    """The greedy answer computed from nothing, to ``prompt_ids`` (default: ``req``'s messages rendered)."""
     session = Session(lm, block_size=BS, chunk_size=32)
     params = SamplingParams(max_new_tokens=req.max_tokens, temperature=0)
-    return session.run(session.render_chat(list(req.messages)), params).text
+    return session.run(prompt_ids or session.render_chat(list(req.messages)), params).text
 
 
 def test_a_conversation_reuses_each_turn_and_answers_as_a_cold_run(llama, tmp_path):
@@ -240,12 +242,14 @@ def test_a_conversation_reuses_each_turn_and_answers_as_a_cold_run(llama, tmp_pa
         req = chat(questions[: i + 1], answers, max_tokens=6)
         pieces: list[str] = []
         done = service.complete(req, on_text=pieces.append)
-        assert done.text == "".join(pieces) == cold(llama, req)
+        # The prompt the model saw: the earlier turns as they ran, then the new message (serve.conversations).
+        ran = service.session("").all_tokens[: done.prompt_tokens]
+        assert done.text == "".join(pieces) == cold(llama, req, ran)
         if previous is not None:
             assert done.cached_tokens >= previous.prompt_tokens // BS * BS
             assert done.prefill_tokens == done.prompt_tokens - done.cached_tokens
         previous = done
-        prompts.append(done.prompt_tokens)
+        prompts.append(ran)
         answers.append(done.text)
     ledger = service.ledger()
     assert ledger["requests"] == 3 and ledger["cached_tokens"] > 0
@@ -255,8 +259,37 @@ def test_a_conversation_reuses_each_turn_and_answers_as_a_cold_run(llama, tmp_pa
     again = Service(llama, _config(), BlockStore(tmp_path / "store"), model_id="tiny")
     req = chat(questions[:2], answers[:1], max_tokens=6)  # turn 2 once more
     done = again.complete(req)
-    assert done.restored_from == "store" and done.cached_tokens == prompts[1] // BS * BS
+    # It has no record of the conversation's ids: the messages are rendered, and the whole blocks they
+    # share with what ran are reused.
+    shared = common_prefix_len(again.prompt_ids(req), prompts[1])
+    assert done.restored_from == "store" and done.cached_tokens == min(shared, len(prompts[1]) - 1) // BS * BS
     assert done.text == cold(llama, req)
+
+
+def test_a_conversation_matched_by_its_messages_reuses_every_token_it_ran(llama, tmp_path):
+    """Guards reuse lost at the first re-tokenized answer: sampled answers, sent back as text, render and
+    tokenize otherwise; the request is matched to the conversation by its messages, and its ids are used."""
+    service = Service(llama, _config(), None, model_id="tiny")
+    questions = ["What is the capital of France?", "And of Italy?", "Tell me about the quick brown fox."]
+    answers: list[str] = []
+    differed = 0
+    held = 0
+    for i in range(3):
+        req = chat(questions[: i + 1], answers, max_tokens=10, temperature=1.5, seed=7)
+        rendered = service.prompt_ids(req)
+        done = service.complete(req)
+        if i:
+            assert done.cached_tokens == held - 1  # all but the answer's last sampled token, which had no KV
+            differed += service.session("").all_tokens[: done.prompt_tokens] != rendered
+        held = done.prompt_tokens + done.completion_tokens
+        answers.append(done.text)
+    assert differed  # rendering the messages again would have given other ids here
+    # A request that edits an earlier answer matches no conversation up to that answer: it is rendered whole,
+    # and reuses the tokens before the answer.
+    first_prompt = len(service.prompt_ids(chat(questions[:1], [], max_tokens=2)))
+    edited = chat(questions[:3], [answers[0] + " (edited)", answers[1]], max_tokens=2)
+    done = service.complete(edited)
+    assert first_prompt <= done.cached_tokens < done.prompt_tokens and done.text == cold(llama, edited)
 
 
 def test_namespaces_do_not_share_blocks(llama, tmp_path):

@@ -17,6 +17,11 @@ from kvsnap.errors import ConfigError
 from kvsnap.models.load import LoadedModel
 
 
+def _texts(messages: Sequence[dict[str, Any]]) -> list[str]:
+    """Every string value of the messages (tool calls and other structured fields are not text)."""
+    return [v for m in messages for v in m.values() if isinstance(v, str)]
+
+
 def render_chat(
     lm: LoadedModel,
     messages: Sequence[dict[str, Any]],
@@ -25,15 +30,60 @@ def render_chat(
 ) -> list[int]:
     """Token ids of ``messages`` in ``lm``'s chat template; ``tools`` (OpenAI's function tools) go to
     the template's ``tools`` variable, as transformers' ``apply_chat_template`` passes them."""
+    ids = _render(lm, messages, add_generation_prompt, cut=None, tools=tools)
+    assert ids is not None
+    return ids
+
+
+def render_after(
+    lm: LoadedModel,
+    history: Sequence[dict[str, Any]],
+    new: Sequence[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: Sequence[dict[str, Any]] | None = None,
+) -> list[int] | None:
+    """Token ids the template writes after the content of ``history``'s last message once ``new``
+    follows it: that message's closing, the new messages and the generation prompt. The earlier
+    messages are not tokenized (their ids are the ones already run). None when the template does not
+    render that content as it is (nothing to cut the rendering at)."""
+    if not history or not isinstance(history[-1].get("content"), str):
+        return None
+    used = {c for v in _texts([*history, *new]) for c in v if "\ue000" <= c < "\uf900"}
+    cut = next((chr(c) for c in range(0xF8FF, 0xE000, -1) if chr(c) not in used), None)
+    if cut is None:
+        return None
+    marked = [*history[:-1], {**history[-1], "content": cut}, *new]
+    return _render(lm, marked, add_generation_prompt, cut=cut, tools=tools)
+
+
+def continue_ids(
+    lm: LoadedModel, ran_ids: Sequence[int], history: Sequence[dict[str, str]], new: Sequence[dict[str, str]]
+) -> list[int] | None:
+    """``ran_ids`` (``history`` as the model ran it, ending with its last message's content) with ``new``
+    and the generation prompt appended as the template writes them after ``history``; None when the
+    template gives no place to cut (then render the whole conversation)."""
+    tail = render_after(lm, history, new)
+    if not tail or not ran_ids:
+        return None
+    # An answer that ended on its end-of-turn token: the template's closing starts with that token again.
+    if ran_ids[-1] in lm.eos_token_ids and tail[0] == ran_ids[-1]:
+        tail = tail[1:]
+    return [*ran_ids, *tail]
+
+
+def _render(
+    lm: LoadedModel,
+    messages: Sequence[dict[str, Any]],
+    add_generation_prompt: bool,
+    cut: str | None,
+    tools: Sequence[dict[str, Any]] | None = None,
+) -> list[int] | None:
+    """Render and tokenize; with ``cut``, only the text after that character (None when it is missing)."""
     tok = lm.tokenizer
     if not getattr(tok, "chat_template", None):
         raise ConfigError(f"model {lm.name} has no chat template; give a raw prompt instead")
     specials = special_texts(tok)
-    found = sorted(
-        {s for m in messages for v in m.values() if isinstance(v, str) for s in specials if s in v},
-        key=len,
-        reverse=True,
-    )
+    found = sorted({s for v in _texts(messages) for s in specials if s in v}, key=len, reverse=True)
     extra: dict[str, Any] = {"tools": list(tools)} if tools else {}
     # Tool schemas and past calls are rendered by the template as JSON it builds: no stand-in can
     # reach inside them, so special-token text there is refused rather than left to forge a turn.
@@ -46,8 +96,16 @@ def render_chat(
         text = tok.apply_chat_template(
             list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **extra
         )
-        return list(tok(text, add_special_tokens=False)["input_ids"])
-    return _render_literal(tok, messages, found, specials, add_generation_prompt, extra)
+        text = _after(text, cut)
+        return None if text is None else list(tok(text, add_special_tokens=False)["input_ids"])
+    return _render_literal(tok, messages, found, specials, add_generation_prompt, extra, cut)
+
+
+def _after(text: str, cut: str | None) -> str | None:
+    if cut is None:
+        return text
+    at = text.find(cut)
+    return text[at + len(cut) :] if at >= 0 and text.count(cut) == 1 else None
 
 
 def special_texts(tok) -> set[str]:
@@ -64,12 +122,13 @@ def _render_literal(
     specials: set[str],
     add_generation_prompt: bool,
     extra: dict[str, Any],
-) -> list[int]:
+    cut: str | None = None,
+) -> list[int] | None:
     """Render with each special-token text in the messages replaced by a stand-in, so every control
     token of the result is the template's; tokenize that, then re-tokenize only the stretches between
     control tokens that hold a stand-in, from the real text, with special-token text kept as text."""
-    used = {c for m in messages for v in m.values() if isinstance(v, str) for c in v if "\ue000" <= c < "\uf900"}
-    mark = next((chr(c) for c in range(0xE000, 0xF900) if chr(c) not in used), None)
+    used = {c for v in _texts(messages) for c in v if "\ue000" <= c < "\uf900"}
+    mark = next((chr(c) for c in range(0xE000, 0xF900) if chr(c) not in used and chr(c) != cut), None)
     if mark is None:
         raise ConfigError("a message holds special-token text and every private-use character: cannot keep it text")
     pattern = re.compile("|".join(map(re.escape, found)))
@@ -81,7 +140,11 @@ def _render_literal(
         }
         for m in messages
     ]
-    text = tok.apply_chat_template(masked, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
+    text = _after(
+        tok.apply_chat_template(masked, tokenize=False, add_generation_prompt=add_generation_prompt, **extra), cut
+    )
+    if text is None:
+        return None
     try:
         enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     except (NotImplementedError, ValueError, TypeError):

@@ -29,10 +29,13 @@ class Contents:
     made_by: dict[str, Any] | None  # what computed the KV (kvsnap.engine.verify.recorded); None: unknown
     dropped_messages: int = 0  # of ``messages``, out of the model's view (kvsnap.types.chat_view)
     key: SealKey | None = None  # a .kv file written of it is sealed with this key
+    marks: dict[str, Any] | None = None  # where the chat's exchanges end, its pending ids (kvsnap.conversation)
 
     def extra(self) -> dict[str, Any]:
-        """What a file or store session records beside the messages: how many are out of view."""
-        return {DROPPED_MESSAGES: self.dropped_messages} if self.dropped_messages else {}
+        """What a file or store session records beside the messages: how many are out of view, and
+        where the exchanges end in the tokens."""
+        dropped = {DROPPED_MESSAGES: self.dropped_messages} if self.dropped_messages else {}
+        return {**dropped, **(self.marks or {})}
 
     def encode(self, tokens: list[int] | None = None, first: int = 0) -> tuple[list[EncodedBlock], int]:
         """Blocks ``first``.. of ``tokens`` (default: all) as stored, and how many had to be encoded now."""

@@ -9,13 +9,13 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvsnap import prefix, provenance
+from kvsnap import conversation, prefix, provenance
 from kvsnap.engine import arena
 from kvsnap.engine.cache import KVCache, cache_from_buffer
 from kvsnap.engine.kv_transfer import KVTransfer
@@ -48,6 +48,20 @@ class Restored:
     messages: list[dict[str, str]] | None
     stats: RestoreStats
     dropped_messages: int = 0  # of ``messages``, out of the model's view (kvsnap.types.chat_view)
+    pending: list[int] = field(default_factory=list)  # an answer's sampled ids not run yet (kvsnap.conversation)
+    turn_ends: conversation.TurnEnds = field(default_factory=list)
+
+
+def _marks(lm: LoadedModel, extra: dict[str, Any], messages: list[dict[str, str]] | None, tokens: list[int]) -> dict:
+    """The chat's pending ids and turn ends, for a whole restore with messages (else none). Pending ids
+    the model has no embedding for are a file that does not fit: both are ignored."""
+    if messages is None or not tokens:
+        return {}
+    turn_ends, pending = conversation.read(extra, len(messages), len(tokens))
+    vocab = int(getattr(lm.config, "vocab_size", 0) or len(lm.tokenizer))
+    if any(t >= vocab for t in pending):
+        return {}
+    return {"pending": pending, "turn_ends": turn_ends}
 
 
 def from_snapshot(
@@ -115,7 +129,9 @@ def from_snapshot(
     seconds = time.perf_counter() - t0
     stats = RestoreStats(str(path), meta.num_tokens, hit, num_blocks, seconds, meta.block_size, made_by)
     dropped = meta.dropped_messages if messages is not None else 0
-    return Restored(cache, tokens, logits, encoded, messages, stats, dropped)
+    return Restored(
+        cache, tokens, logits, encoded, messages, stats, dropped, **_marks(lm, meta.extra, messages, tokens)
+    )
 
 
 def _read_blocks(lm: LoadedModel, snap: Snapshot, prompt_ids, hit: int, num_blocks: int) -> tuple[KVCache, list]:
@@ -248,7 +264,9 @@ def from_store_session(lm: LoadedModel, store: BlockStore, name: str, fmt: Block
     seconds = time.perf_counter() - t0
     where = f"store session {name!r}"
     stats = RestoreStats(where, num_tokens, num_tokens, len(blocks), seconds, chain.block_size, made_by)
-    return Restored(restorer.finish(lm.config), list(record.token_ids), last, encoded, messages, stats, dropped)
+    tokens = list(record.token_ids)
+    marks = _marks(lm, record.extra, messages, tokens)
+    return Restored(restorer.finish(lm.config), tokens, last, encoded, messages, stats, dropped, **marks)
 
 
 def _decode_store_blocks(restorer: KVTransfer, blocks, block_size: int, itemsize: int) -> tuple[int, Exception] | None:

@@ -56,6 +56,9 @@ class TurnResult:
     miss: dict[str, Any] | None = None  # with explain: where reuse stopped and why (kvsnap.engine.explain.Miss)
     # Session.chat: turns that left the model's view for this one to fit the context (kvsnap.engine.chat_view).
     dropped_turns: int = 0
+    # Session.chat with explain: where rendering the whole view again would differ from the ids the chat kept
+    # and ran (kvsnap.engine.explain.Miss, the rendering as the prompt and the kept ids as the source).
+    rerender: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -6,8 +6,7 @@
       -> save (only blocks not already encoded)
 
 ``Session.run`` is that whole path for one prompt; ``Session.chat`` wraps a user message in the
-model's chat template first. The engine matches token ids only: where a template re-renders an
-earlier turn differently, only the tokens that compare equal are reused.
+model's chat template first, appended to the ids the chat already ran (``kvsnap.conversation``).
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvsnap import hashing, limits, prefix
+from kvsnap import conversation, hashing, limits, prefix
 from kvsnap.config import SamplingParams, SessionConfig
 from kvsnap.engine import costs, snapshot_save, store_save
 from kvsnap.engine import explain_sources as explaining
@@ -93,9 +92,7 @@ class Session:
         )
         self.reset()
 
-    @property
-    def block_size(self) -> int:
-        return self.config.block_size
+    block_size = property(lambda self: self.config.block_size)
 
     @property
     def namespace(self) -> str:
@@ -115,6 +112,7 @@ class Session:
         self.last_logits: torch.Tensor | None = None
         self.messages: list[dict[str, str]] | None = None
         self.dropped_messages = 0  # of ``messages``, out of the model's view (kvsnap.engine.chat_view)
+        self.turn_ends: conversation.TurnEnds = []  # where each exchange ends in ``all_tokens`` (kvsnap.conversation)
         self.encoded = EncodedBlocks()  # blocks already encoded as a save would write them
         self.inherited_made_by: tuple[str, ...] = ()  # restored KV's provenance, per block (verify.recorded)
         self.last_reuse: ReuseDecision | None = None  # the last load-or-recompute decision
@@ -138,6 +136,7 @@ class Session:
         self.cache.crop(length)
         self.tokens = self.tokens[:length]
         self.last_logits = None
+        self.turn_ends = conversation.ends_within(self.turn_ends, length)
         # Blocks past the cut will be recomputed; their encodings must not stand in for the new KV.
         keep = set(hashing.chain_hashes(self.tokens, self.block_size, self.root()))
         self.encoded.keep_only(keep)
@@ -154,9 +153,10 @@ class Session:
 
     def _commit(self, state: restoring.Restored) -> RestoreStats:
         """Take a restored state whole (only once everything was read and checked)."""
-        self.cache = state.cache
-        self.tokens = state.tokens
-        self.pending = []
+        # A prefix restored for a prompt keeps the turn ends it still holds (a chat's earlier exchanges).
+        kept = conversation.ends_within(self.turn_ends, prefix.common_prefix_len(self.all_tokens, state.tokens))
+        self.cache, self.tokens = state.cache, state.tokens
+        self.pending, self.turn_ends = list(state.pending), list(state.turn_ends) or kept
         logits = state.last_logits
         self.last_logits = torch.from_numpy(logits).to(self.lm.device) if logits is not None else None
         self.encoded = EncodedBlocks(state.encoded)
@@ -220,7 +220,8 @@ class Session:
         """What the session holds, for writing it out (sampled tokens not yet run stay out)."""
         made_by = verifying.recorded(self.lm, self.inherited_made_by)
         held = (self.tokens, self.cache, self.encoded, self.last_logits, self.messages, made_by, self.dropped_messages)
-        return Contents(self.lm, self.block_format, *held, key=self.config.key)
+        marks = conversation.record(self.turn_ends, self.pending) if self.messages else {}
+        return Contents(self.lm, self.block_format, *held, key=self.config.key, marks=marks)
 
     def verify_restored(self, stats: RestoreStats | None) -> VerifyReport | None:
         """Spot check what was just restored (``config.verify``; see ``kvsnap.engine.verify``); None when
@@ -251,6 +252,7 @@ class Session:
         if not prompt:
             raise ConfigError("the prompt is empty")
         hit = prefix.common_prefix_len(self.tokens, prompt)
+        self.turn_ends = conversation.ends_within(self.turn_ends, prefix.common_prefix_len(self.all_tokens, prompt))
         logits_at_hit = hit == len(self.tokens) and self.last_logits is not None
         plan = prefix.plan_prefill(len(prompt), hit, self.config.chunk_size, logits_at_hit=logits_at_hit)
         self.truncate(plan.hit_tokens)
@@ -373,12 +375,9 @@ class Session:
         on_progress: ProgressFn | None = None,
         store_session: str | None = None,
     ) -> TurnResult:
-        """One chat turn: append the user message, render, reuse what matches, answer (see ``engine.chat``).
-
-        A conversation that outgrows the context drops its oldest turns from view (``config.on_context_full``,
-        ``TurnResult.dropped_turns``; ``messages`` keep them). With a block store and ``store_session``, the
-        conversation is recorded there under that name.
-        """
+        """One chat turn: append the user message to the ids already run, answer (see ``engine.chat``). A
+        conversation that outgrows the context drops its oldest turns from view (``config.on_context_full``);
+        with a block store and ``store_session``, it is recorded there under that name."""
         kw = dict(system=system, on_text=on_text, on_progress=on_progress, store_session=store_session)
         return chat_turn(self, user_text, params, **kw)
 

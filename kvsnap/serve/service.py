@@ -26,6 +26,7 @@ from kvsnap import limits
 from kvsnap.config import CHAT_SAMPLING, SamplingParams, SessionConfig
 from kvsnap.errors import ConfigError, KvsnapError
 from kvsnap.models.plain_tokenizer import longest_token_bytes
+from kvsnap.serve.conversations import Conversations, Match
 from kvsnap.serve.protocol import CHAT, FINISH_REASONS, CompletionRequest, ServeError, bad
 from kvsnap.serve.tools import ToolCall, ToolStream, forced_text, template_style
 
@@ -116,6 +117,7 @@ class Service:
         self.hot_sessions = max(1, hot_sessions)
         self._sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()
         self._ledgers: dict[str, Ledger] = collections.defaultdict(Ledger)
+        self._conversations: dict[str, Conversations] = collections.defaultdict(Conversations)
         self.started = time.time()
         # Tokenizing is the one step whose work grows with what a client sends before anything is
         # checked: a text longer than the context times the longest token cannot fit, so it is
@@ -250,6 +252,8 @@ class Service:
         except ServeError:
             ledger.failed += 1
             raise
+        match = self._conversations[namespace].match(req.messages) if req.kind == CHAT and req.messages else None
+        ids = self._continued(match, req, ids) if match is not None else ids
         session = self.session(namespace)
         if cancelled is not None and cancelled():
             # Stopped while it waited (the client left, the server shuts down): nothing was answered yet.
@@ -316,7 +320,22 @@ class Service:
             tool_calls=tuple(calls),
         )
         ledger.add(completion)
+        if req.kind == CHAT and req.messages:
+            earlier = match.turn_ends if match is not None and ids[: len(match.token_ids)] == match.token_ids else []
+            self._conversations[namespace].ran(req.messages, result.text, session.all_tokens, earlier)
         return completion
+
+    def _continued(self, match: Match, req: CompletionRequest, rendered: list[int]) -> list[int]:
+        """The prompt as the ids a matching conversation ran for its first messages, the rest rendered
+        after them; ``rendered`` (the whole conversation rendered) when that cannot be done or fit."""
+        from kvsnap.engine.chat_template import continue_ids
+
+        messages = list(req.messages or ())
+        try:
+            ids = continue_ids(self.lm, match.token_ids, messages[: match.messages], messages[match.messages :])
+        except Exception:  # a chat template is a program; the whole rendering above already succeeded
+            return rendered
+        return ids if ids is not None and len(ids) <= self.context else rendered
 
     def session(self, namespace: str) -> Session:
         """``namespace``'s session, made on first use; past ``hot_sessions`` the least recently used
