@@ -177,9 +177,7 @@ def load_model(
     mark("kvsnap.engine")
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
-    from kvsnap.models.quantize import check_mode
-
-    check_mode(quantize)  # before the weights load
+    quantization = _quantization(quantize, folder)  # before the weights load
     raw_config = config_file(folder)
     use_native = native_config.enabled() and dev.type == "cpu"
     config = native_config.plain_config(raw_config) if use_native else None
@@ -197,7 +195,7 @@ def load_model(
     model = None
     if use_native and native_config.unsupported_reason(config, dev) is None:
         try:
-            model = native.load(folder, config, torch_dtype, _tied_aliases(folder))
+            model = native.load(folder, config, torch_dtype, _tied_aliases(folder), quantization != "none")
         except Exception:
             # Not exactly its tensors, or a file it cannot map: transformers loads the folder, or says
             # in its own words what is wrong with it.
@@ -212,7 +210,10 @@ def load_model(
     except (RuntimeError, MemoryError) as exc:
         raise ModelError(f"cannot place {spec} on {dev}: {str(exc).splitlines()[0] if str(exc) else exc}") from None
     mark("place")
-    quantization = _quantize(model, quantize, folder, torch_dtype)
+    if quantization != "none":
+        from kvsnap.models.quantize import apply
+
+        apply(model, quantization, torch_dtype)
     mark("quantize")
     tokenizer = load_tokenizer(folder, plain=isinstance(model, native.NativeCausalLM) and config.model_type == "llama")
     mark("tokenizer")
@@ -226,6 +227,10 @@ def load_model(
         elif isinstance(value, (list, tuple)):
             eos.update(v for v in value if isinstance(v, int))
     eos.update(end_of_turn_ids(tokenizer))
+    if quantization != "none":  # the load's float temporaries are gone: their pages go back too
+        from kvsnap.models.quantize import return_freed_memory
+
+        return_freed_memory()
     return LoadedModel(
         name=spec,
         folder=folder,
@@ -248,15 +253,12 @@ def load_model(
     )
 
 
-def _quantize(model, mode: str, folder: Path, dtype) -> str:
-    """Quantize ``model`` as ``mode`` asks (``auto``: as the GGUF the folder was converted from); the mode applied."""
+def _quantization(mode: str, folder: Path) -> str:
+    """The quantization ``mode`` asks for the model in ``folder`` (``auto``: the class of the GGUF it came from)."""
     from kvsnap.models import quantize
 
     source = catalog.marker(folder).get("source") if quantize.check_mode(mode) == "auto" else None
-    applied = quantize.resolve(mode, quantize.gguf_class(Path(source)) if isinstance(source, str) else None)
-    if applied != "none":
-        quantize.apply(model, applied, dtype)
-    return applied
+    return quantize.resolve(mode, quantize.gguf_class(Path(source)) if isinstance(source, str) else None)
 
 
 def _context_source(config, ctx_size: int | None) -> str:

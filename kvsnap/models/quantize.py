@@ -22,6 +22,8 @@ the fingerprint (``kvsnap.models.fingerprint``), and a snapshot made with one is
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 from pathlib import Path
 from typing import Any
 
@@ -84,26 +86,34 @@ def gguf_class(path: Path) -> str | None:
 # -- quantizing ---------------------------------------------------------------------------------------
 
 
+ROWS_AT_ONCE = 4096  # rows quantized per step: float temporaries stay a few MB whatever the matrix
+
+
 def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scales)``: ``weight ~= q * scales[:, None]``, one symmetric scale per row."""
-    w = weight.detach().float()
-    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-10)  # [N]
-    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)  # [N, K]
-    return q, scales
+    q = torch.empty(weight.shape, dtype=torch.int8)  # [N, K]
+    scales = torch.empty(weight.shape[0], dtype=torch.float32)  # [N]
+    for start in range(0, weight.shape[0], ROWS_AT_ONCE):
+        w = weight[start : start + ROWS_AT_ONCE].detach().float()
+        s = (w.abs().amax(dim=1) / 127).clamp(min=1e-10)
+        q[start : start + ROWS_AT_ONCE] = torch.round(w / s[:, None]).clamp_(-127, 127)
+        scales[start : start + ROWS_AT_ONCE] = s
+    return q.to(weight.device), scales.to(weight.device)
 
 
 def int4_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scales_and_zeros)``: ``q`` int32 in 0..15 [N, K]; ``weight ~= (q - 8) * scale + zero`` per group
     of ``group`` inputs, the scales and zeros as ``[K / group, N, 2]`` (the kernel's layout)."""
-    w = weight.detach().float()
-    n, k = w.shape
-    grouped = w.reshape(n, k // group, group)
-    low, high = grouped.amin(dim=2, keepdim=True), grouped.amax(dim=2, keepdim=True)
-    scales = ((high - low) / 15).clamp(min=1e-10)
-    zeros = low + scales * 8
-    q = ((grouped - low) / scales).round_().clamp_(0, 15).to(torch.int32).reshape(n, k)
-    scales_and_zeros = torch.cat([scales, zeros], dim=2).transpose(0, 1).contiguous()  # [K/g, N, 2]
-    return q, scales_and_zeros
+    n, k = weight.shape
+    q = torch.empty(n, k, dtype=torch.int32)
+    pairs = torch.empty(n, k // group, 2, dtype=torch.float32)
+    for start in range(0, n, ROWS_AT_ONCE):
+        grouped = weight[start : start + ROWS_AT_ONCE].detach().float().reshape(-1, k // group, group)
+        low, high = grouped.amin(dim=2, keepdim=True), grouped.amax(dim=2, keepdim=True)
+        scales = ((high - low) / 15).clamp(min=1e-10)
+        q[start : start + ROWS_AT_ONCE] = ((grouped - low) / scales).round_().clamp_(0, 15).reshape(-1, k)
+        pairs[start : start + ROWS_AT_ONCE] = torch.cat([scales, low + scales * 8], dim=2)
+    return q.to(weight.device), pairs.transpose(0, 1).contiguous().to(weight.device)  # [N, K], [K/g, N, 2]
 
 
 class QuantizedLinear(nn.Module):
@@ -222,7 +232,22 @@ def apply(model: Any, mode: str, dtype: torch.dtype) -> None:
         head_owner, head_name = _owner(model, _head_name(model, head))
         new_head = QuantizedLinear.sharing(quantized_embedding) if tied else QuantizedLinear(head.weight, None, 8)
         setattr(head_owner, head_name, new_head)
+    for module in model.modules():
+        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
+            continue
+        for tensor in module.parameters(recurse=False):
+            # What stays float (norms) gets memory of its own: a view into a mapped weights file would keep
+            # the whole mapping, and every page the quantization read, resident.
+            tensor.data = tensor.data.to(dtype).clone()
     model.quantization = mode
+    return_freed_memory()
+
+
+def return_freed_memory() -> None:
+    # The temporaries leave glibc's heap holding freed pages (~30 MB for the default model): give them
+    # back, so resident memory is the weights. Elsewhere (no glibc) they are only kept for reuse.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def weight_bytes(model: Any) -> int:
