@@ -2,8 +2,9 @@
 
 For each setting (``none``, ``int8``, ``int4``, each with ``float32`` and ``bfloat16`` activations where
 asked), on one model:
-- weights' resident memory: a new process's RSS after ``load_model`` minus its RSS just before (and the
-  peak during the load, VmHWM, minus the same), next to the GGUF file's size when the model is one;
+- weights' resident memory: a new process's RSS after ``load_model`` and one short forward (which reads
+  every weight: a float folder is mapped, resident once read) minus its RSS just before the load, and
+  the peak (VmHWM) minus the same, next to the GGUF file's size when the model is one;
 - decode tokens/s after a ``--context``-token document (greedy, ``--new-tokens``, median of ``--repeats``);
 - cold prefill seconds of that document (best of ``--repeats``);
 - greedy-token agreement with float32 weights and activations: over ``--prompts`` prompts, float32's own
@@ -49,6 +50,8 @@ def status(key):
 
 before = status("VmRSS")
 lm = load_model({model!r}, device="cpu", dtype={dtype!r}, quantize={quantize!r})
+with torch.inference_mode():  # a forward reads every weight: a mapped float file is resident only then
+    lm.model(torch.tensor([[1, 2, 3, 4]]))
 print(json.dumps({{"rss": status("VmRSS") - before, "peak": status("VmHWM") - before,
                   "tensors": weight_bytes(lm.model)}}))
 """
@@ -172,6 +175,7 @@ def main() -> None:
             "perplexity": perplexity(lm, args.window),
         }
         rows.append(row)
+        print(json.dumps(row), flush=True)  # a slow machine shows each setting as it ends
         if lm is not reference:
             del lm
     base = next((r["perplexity"] for r in rows if r["setting"] == "none-float32"), None)
