@@ -265,7 +265,7 @@ def main() -> None:
         said = (f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in checks.items())
         print(f"CLI ({quantize}): " + ", ".join(said))
     payload = {"machine": info, "shape": args.shape, "folder_bytes": folder_bytes, "rows": rows, "cli": cli}
-    print(f"wrote {write_json(f'shaped_quantized_{args.shape}', payload)}")
+    print(f"wrote {write_json('shaped_quantized', payload)}")
 
 
 if __name__ == "__main__":
