@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from kvsnap.config import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MODEL, SessionConfig
+from kvsnap.config import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MODEL, DEFAULT_QUANTIZE, SessionConfig
 from kvsnap_cli import options as o
 from kvsnap_cli import ui
 from kvsnap_cli.common import guarded, open_session
@@ -17,6 +17,7 @@ def calibrate(
     model: o.Model = DEFAULT_MODEL,
     device: o.Device = DEFAULT_DEVICE,
     dtype: o.Dtype = DEFAULT_DTYPE,
+    quantize: o.Quantize = DEFAULT_QUANTIZE,
     json_out: Annotated[bool, typer.Option("--json", metavar="", help="Print one JSON object.")] = False,
 ) -> None:
     """Measure, per machine, model and dtype, what a prefill and a restore of the same KV cost, and keep it.
@@ -30,7 +31,7 @@ def calibrate(
     from kvsnap.engine.calibrate import calibrate as measure
     from kvsnap.engine.costs import cache_path
 
-    opts = SimpleNamespace(model=model, device=device, dtype=dtype, ctx_size=None)
+    opts = SimpleNamespace(model=model, device=device, dtype=dtype, quantize=quantize, ctx_size=None)
     lm = open_session(opts, SessionConfig(), store=None).lm
 
     with ui.status("measuring load vs recompute for this model and dtype") as update:

@@ -92,6 +92,7 @@ def open_session(
             session_config,
             device=opts.device,
             dtype=opts.dtype,
+            quantize=opts.quantize,
             ctx_size=opts.ctx_size,
             store=block_store,
             workload=workload,

@@ -6,7 +6,6 @@ adds them to a command and hands them over as one ``SessionOptions`` value.
 
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
 from collections.abc import Callable
@@ -18,10 +17,20 @@ import typer
 
 from kvsnap import config
 from kvsnap.config import SamplingParams
-
-# --help groups options by what they are about; the rare ones (ADVANCED) are hidden from chat's and run's
-# --help, so it fits a screen, and shown by --help-all.
-MODEL, GENERATION, SNAPSHOT, STORE, OUTPUT, ADVANCED = "Model", "Generation", "Snapshot", "Store", "Output", "Advanced"
+from kvsnap_cli.option_help import (
+    ADVANCED,
+    GENERATION,
+    MODEL,
+    OUTPUT,
+    PANELS,
+    SNAPSHOT,
+    STORE,
+    HelpAll,
+    default_said,
+    folded,
+    model_default,
+    panel,
+)
 
 MODEL_HELP = (
     f"Model: {config.DEFAULT_MODEL} (default), a folder, a .gguf file, or a hub name: org/name or org/name:FILE.gguf."
@@ -97,6 +106,15 @@ Dtype = Annotated[
     typer.Option(
         metavar="TYPE",
         help="auto (default), float32, bfloat16 or float16.",
+        show_default=False,
+        rich_help_panel=MODEL,
+    ),
+]
+Quantize = Annotated[
+    str,
+    typer.Option(
+        metavar="Q",
+        help="Weights: none, int8, int4, or auto (a GGUF keeps its class: Q4 -> int4, Q8 -> int8).",
         show_default=False,
         rich_help_panel=MODEL,
     ),
@@ -223,6 +241,7 @@ class SessionOptions:
     model: str
     device: str
     dtype: str
+    quantize: str
     max_new_tokens: int
     temperature: float | None  # None: the model's recommendation, else ``defaults``
     top_p: float | None
@@ -280,70 +299,22 @@ class SessionOptions:
         return cfg.check(with_store=self.store is not None)
 
 
-def _help_all(ctx: typer.Context, value: bool) -> None:
-    """--help-all: the help with the ADVANCED options shown too."""
-    if not value or ctx.resilient_parsing:
-        return
-    for param in ctx.command.params:
-        param.hidden = False
-    typer.echo(ctx.get_help(), nl=False)
-    raise typer.Exit()
-
-
-HelpAll = Annotated[
-    bool,
-    typer.Option(
-        "--help-all", metavar="", is_eager=True, callback=_help_all, help="Show every option, the advanced ones too."
-    ),
-]
-PANELS = ("Input", MODEL, GENERATION, SNAPSHOT, STORE, OUTPUT, ADVANCED)
-
-
-def _panel(annotation: Any) -> str | None:
-    info = annotation.__metadata__[0] if hasattr(annotation, "__metadata__") else None
-    return getattr(info, "rich_help_panel", None)
-
-
-def _folded(flag: Any) -> Any:
-    """``flag`` hidden from --help when it belongs to the ADVANCED panel (--help-all shows it)."""
-    if _panel(flag) != ADVANCED:
-        return flag
-    info = copy.copy(flag.__metadata__[0])
-    info.hidden = True
-    return Annotated[flag.__origin__, info]
-
-
-def _default_said(flag: Any, default: Any) -> Any:
-    """``flag`` with its (per command) default in its one line of help instead of on a line of its own."""
-    info = copy.copy(flag.__metadata__[0])
-    info.help = f"{info.help[:-1]} (default {default})."
-    info.show_default = False
-    return Annotated[flag.__origin__, info]
-
-
-def _model_default(flag: Any, fallback: float) -> Any:
-    """``flag`` made optional: unset means the model's generation_config.json value, else ``fallback``."""
-    base, info = flag.__origin__, flag.__metadata__[0]
-    info = copy.copy(info)
-    info.help = f"{info.help[:-1]} (default: the model's, else {fallback:g})."
-    return Annotated[base | None, info]
-
-
 def _shared(sampling: SamplingParams, model_defaults: bool) -> list[tuple[str, Any, Any]]:
     """(name, annotation, default) of every shared flag, in the order ``--help`` lists them."""
     if model_defaults:
-        temperature = ("temperature", _model_default(Temperature, sampling.temperature), None)
-        top_p = ("top_p", _model_default(TopP, sampling.top_p), None)
-        top_k = ("top_k", _model_default(TopK, sampling.top_k), None)
+        temperature = ("temperature", model_default(Temperature, sampling.temperature), None)
+        top_p = ("top_p", model_default(TopP, sampling.top_p), None)
+        top_k = ("top_k", model_default(TopK, sampling.top_k), None)
     else:
-        temperature = ("temperature", _default_said(Temperature, f"{sampling.temperature:g}"), sampling.temperature)
-        top_p = ("top_p", _default_said(TopP, f"{sampling.top_p:g}"), sampling.top_p)
-        top_k = ("top_k", _default_said(TopK, sampling.top_k), sampling.top_k)
+        temperature = ("temperature", default_said(Temperature, f"{sampling.temperature:g}"), sampling.temperature)
+        top_p = ("top_p", default_said(TopP, f"{sampling.top_p:g}"), sampling.top_p)
+        top_k = ("top_k", default_said(TopK, sampling.top_k), sampling.top_k)
     return [
         ("model", Model, config.DEFAULT_MODEL),
         ("device", Device, config.DEFAULT_DEVICE),
         ("dtype", Dtype, config.DEFAULT_DTYPE),
-        ("max_new_tokens", _default_said(MaxNewTokens, sampling.max_new_tokens), sampling.max_new_tokens),
+        ("quantize", default_said(Quantize, config.DEFAULT_QUANTIZE), config.DEFAULT_QUANTIZE),
+        ("max_new_tokens", default_said(MaxNewTokens, sampling.max_new_tokens), sampling.max_new_tokens),
         temperature,
         top_p,
         top_k,
@@ -379,7 +350,7 @@ def session_options(
         sig = inspect.signature(fn, eval_str=True)
         own = [p for p in sig.parameters.values() if p.name != "opts"]
         added = [
-            inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=_folded(a), default=d) for n, a, d in shared
+            inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=folded(a), default=d) for n, a, d in shared
         ]
 
         @functools.wraps(fn)
@@ -390,7 +361,7 @@ def session_options(
 
         own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
         # --help shows the panels in the order their first option comes: by PANELS, whoever declares them.
-        ranked = sorted(own + added, key=lambda p: PANELS.index(_panel(p.annotation) or ADVANCED))
+        ranked = sorted(own + added, key=lambda p: PANELS.index(panel(p.annotation) or ADVANCED))
         ranked.append(inspect.Parameter("help_all", inspect.Parameter.KEYWORD_ONLY, annotation=HelpAll, default=False))
         wrapper.__signature__ = sig.replace(parameters=ranked)  # type: ignore[attr-defined]
         wrapper.__annotations__ = {p.name: p.annotation for p in ranked}

@@ -116,6 +116,7 @@ def serve(
     ctx_size: o.CtxSize = None,
     device: o.Device = config.DEFAULT_DEVICE,
     dtype: o.Dtype = config.DEFAULT_DTYPE,
+    quantize: o.Quantize = config.DEFAULT_QUANTIZE,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API whose prefix cache survives restarts.
 
@@ -155,7 +156,7 @@ def serve(
     sock = _bind(host, port)  # a busy port fails now, not after the model load
     try:
         store_path = None if no_store else (store or default_store())
-        opts = SimpleNamespace(model=model, device=device, dtype=dtype, ctx_size=ctx_size)
+        opts = SimpleNamespace(model=model, device=device, dtype=dtype, quantize=quantize, ctx_size=ctx_size)
         block_store = open_store(store_path, store_budget, key) if store_path is not None else None
         session = open_session(opts, session_config, workload="serve", store=block_store)
         _run(session.lm, session_config, block_store, keys, max_queue, max_connections, sock, model)

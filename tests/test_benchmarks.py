@@ -245,3 +245,30 @@ def test_agent_loop_benchmark_reuses_the_fixed_prefix_and_more_with_the_store(be
     assert second["memory_cached"] >= whole
     assert first["store_cached"] >= whole and first["store_restart_cached"] >= whole
     assert all(row[f"{name}_ttft_s"] > 0 for row in data["rows"] for name in ("cold", "memory", "store"))
+
+
+def test_quantize_benchmark_reports_memory_speed_and_agreement_per_setting(bench, tiny_model_dir):
+    args = ["--model", str(tiny_model_dir("llama")), "--settings", "none-float32", "int4-bfloat16"]
+    sizes = ["--context", "40", "--new-tokens", "3", "--repeats", "1", "--prompts", "2", "--prompt-tokens", "12"]
+    out, data = bench("quantize", *args, *sizes, "--agree-tokens", "3", "--window", "48")
+    assert "\nmachine: " in out and "top-1 agree" in out
+    rows = {row["setting"]: row for row in data["rows"]}
+    assert [rows[s]["quantization"] for s in ("none-float32", "int4-bfloat16")] == ["none", "int4"]
+    # float32 agrees with itself, and its perplexity is the unit the others are measured in.
+    assert rows["none-float32"]["agreement"] == 1.0 and rows["none-float32"]["ppl_over_float32"] == 1.0
+    assert rows["none-float32"]["tensor_mb"] > 3 * rows["int4-bfloat16"]["tensor_mb"]
+    for row in rows.values():
+        assert 0 <= row["agreement"] <= 1 and row["perplexity"] > 1 and row["decode_tok_s"] > 0
+        assert row["weights_peak_mb"] >= row["weights_rss_mb"] > 0
+
+
+def test_shaped_quantized_benchmark_builds_runs_saves_and_restores(bench, tiny_model_dir, tmp_path):
+    folder = tmp_path / "shaped"
+    args = ["--shape", "tiny", "--folder", str(folder), "--tokenizer-from", str(tiny_model_dir("llama"))]
+    out, data = bench("shaped_quantized", *args, "--lengths", "40", "--new-tokens", "3", "--cli-tokens", "0")
+    assert "tiny-shaped" in out
+    (row,) = data["rows"]
+    assert row["tokens"] == 40 and row["quantize"] == "int4" and row["file_mb"] > 0
+    assert row["save_gb_s"] > 0 and row["restore_gb_s"] > 0 and row["weights_rss_gb"] > 0
+    # One bfloat16 shard per layer, besides the embedding and the head.
+    assert len(list(folder.glob("layer-*.safetensors"))) == 2

@@ -56,6 +56,7 @@ MAY_IMPORT_TORCH = {
     "kvsnap.models.exact",
     "kvsnap.models.native",
     "kvsnap.models.packing",
+    "kvsnap.models.quantize",
 }
 HEAVY = ("torch", "transformers", "safetensors.torch", "accelerate", "vllm")
 MAX_LINES = 400  # one concern per module; past this a module is doing more than one job: split it

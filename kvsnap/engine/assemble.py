@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvsnap.config import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MODEL, SessionConfig
+from kvsnap.config import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MODEL, DEFAULT_QUANTIZE, SessionConfig
 from kvsnap.errors import ConfigError, StoreError
 
 if TYPE_CHECKING:
@@ -67,6 +67,7 @@ def open_session(
     *,
     device: str = DEFAULT_DEVICE,
     dtype: str = DEFAULT_DTYPE,
+    quantize: str = DEFAULT_QUANTIZE,
     ctx_size: int | None = None,
     store: str | os.PathLike[str] | BlockStore | None = None,
     store_budget: int | None = None,
@@ -111,6 +112,7 @@ def open_session(
             model,
             device=device,
             dtype=dtype,
+            quantize=quantize,
             progress=say,
             install=True,
             check_layout=config.check_layout,

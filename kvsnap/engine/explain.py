@@ -48,10 +48,17 @@ class Running:
     block_size: int = DEFAULT_BLOCK_SIZE
     model: str = ""
 
-    def fingerprint(self, kv_dtype: str) -> str:
+    def fingerprint(self, kv_dtype: str, quantization: str = "none") -> str:
         from kvsnap.models.fingerprint import fingerprint_of
 
-        return fingerprint_of({**self.parts, "kv_dtype": self.parts.get("kv_dtype", kv_dtype)})
+        return fingerprint_of(self.as_run(kv_dtype, quantization))
+
+    def as_run(self, kv_dtype: str, quantization: str = "none") -> dict[str, str]:
+        """The parts; a model known by its files alone (``running_model``) takes the source's KV dtype and
+        weight quantization, which only a run's flags set."""
+        if "kv_dtype" in self.parts:
+            return dict(self.parts)
+        return {**self.parts, "kv_dtype": kv_dtype, "quantization": quantization}
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +127,8 @@ def chain_mismatch(
     """``(cause, why, differing parts)`` when a source's chain is not the one ``running`` keys under."""
     if running is None:
         return None
-    ours = {**running.parts, "kv_dtype": running.parts.get("kv_dtype", kv_dtype)}
-    fp = running.fingerprint(kv_dtype)
+    ours = running.as_run(kv_dtype, parts.get("quantization", "none"))
+    fp = running.fingerprint(kv_dtype, parts.get("quantization", "none"))
     if fp != fingerprint:
         known = {**parts, "kv_dtype": parts.get("kv_dtype", kv_dtype)}
         differs = tuple(k for k in PARTS if k in known and k in ours and known[k] != ours[k])
@@ -130,6 +137,11 @@ def chain_mismatch(
             what.append(f"engine: computed by {known['engine']}")
         if "kv_dtype" in differs:
             what.append(f"KV dtype: {known['kv_dtype']}, not {ours['kv_dtype']}")
+        # A float model records no quantization part: absent is "none".
+        theirs_q, ours_q = known.get("quantization", "none"), ours.get("quantization", "none")
+        if theirs_q != ours_q:
+            differs += ("quantization",)
+            what.append(f"weights quantized {theirs_q}, not {ours_q} (--quantize)")
         detail = f"different {', '.join(what)}" if what else f"fingerprint {fingerprint[:12]}, this run {fp[:12]}"
         names = f": {model}, this run {running.model}" if running.model and running.model != model else ""
         return "model", f"made with another model ({detail}){names}", differs

@@ -59,8 +59,10 @@ def closest_stored(index: Any, prompt_ids: Sequence[int], running: Running | Non
     from kvsnap.store.closest import closest_in_store
 
     def runs_under(chain: Any) -> bool:
-        fp = running.fingerprint(chain.layout.dtype) if running is not None else None
-        return fp is not None and hashing.chain_root(fp, running.namespace, running.block_size) == chain.root
+        if running is None:
+            return False
+        fp = running.fingerprint(chain.layout.dtype, dict(chain.parts).get("quantization", "none"))
+        return hashing.chain_root(fp, running.namespace, running.block_size) == chain.root
 
     return closest_in_store(index, prompt_ids, runs_under)
 

@@ -29,6 +29,8 @@ def start_packing(lm: LoadedModel) -> bool:
 def forward_kind(lm: LoadedModel) -> str:
     """What runs ``lm``'s forward, in words: "native forward, packed weights", "transformers forward"."""
     packing = getattr(lm.model, "packing", None)
+    if lm.quantization != "none":
+        return f"{lm.backend} forward, {lm.quantization} weights"
     if packing is None:
         return f"{lm.backend} forward"
     if packing.error is not None:

@@ -350,6 +350,11 @@ class Snapshot:
                 "config": "config (architecture, RoPE, ...)",
                 "kv_dtype": "KV dtype",
             }
+            # A float model records no quantization part: absent is "none".
+            theirs_q, ours_q = m.fingerprint_parts.get("quantization", "none"), ours.get("quantization", "none")
+            if ours and theirs_q != ours_q:
+                differ.append("quantization")
+                what["quantization"] = f"weights quantized {theirs_q}, not {ours_q} (--quantize)"
             why = f"different {', '.join(what[k] for k in differ)}; " if differ else ""
             raise ForeignSnapshotError(
                 f"{self.path}: written for another model ({why}{m.model}, fingerprint {m.fingerprint[:12]}; "

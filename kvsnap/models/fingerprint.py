@@ -149,14 +149,22 @@ def config_digest(config_dict: dict[str, Any]) -> str:
     return hashlib.blake2b(json.dumps(clean, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
 
 
-def fingerprint_parts(folder: Path, config_dict: dict[str, Any], kv_dtype: str) -> dict[str, str]:
-    """The digests that make up a fingerprint, kept apart so a refusal can say which one differs."""
-    return {
+def fingerprint_parts(
+    folder: Path, config_dict: dict[str, Any], kv_dtype: str, quantization: str = "none"
+) -> dict[str, str]:
+    """The digests that make up a fingerprint, kept apart so a refusal can say which one differs.
+
+    ``quantization`` (``int8``, ``int4``: weights quantized at load) is a part only when the weights are
+    quantized, so a float model keeps the fingerprint, and the snapshots, it always had."""
+    parts = {
         "config": config_digest(config_dict),
         "tokenizer": tokenizer_digest(folder),
         "weights": weights_digest(folder),
         "kv_dtype": kv_dtype,
     }
+    if quantization != "none":
+        parts["quantization"] = quantization
+    return parts
 
 
 def fingerprint(folder: Path, config_dict: dict[str, Any], kv_dtype: str) -> str:
@@ -166,4 +174,6 @@ def fingerprint(folder: Path, config_dict: dict[str, Any], kv_dtype: str) -> str
 
 def fingerprint_of(parts: dict[str, str]) -> str:
     text = "|".join(f"{k}:{parts[k]}" for k in ("config", "tokenizer", "weights", "kv_dtype"))
+    if parts.get("quantization", "none") != "none":
+        text += f"|quantization:{parts['quantization']}"
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()

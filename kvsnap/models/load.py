@@ -10,9 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from kvsnap import limits
-from kvsnap.config import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MODEL
+from kvsnap.config import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MODEL, DEFAULT_QUANTIZE
 from kvsnap.errors import ConfigError, ModelError
+from kvsnap.models import catalog
 from kvsnap.models.fingerprint import config_file, fingerprint_of, fingerprint_parts
+from kvsnap.models.generation_files import end_of_turn_ids, generation_eos, sampling_defaults_of
 from kvsnap.models.resolve import Progress, is_ready, noop, quiet_transformers, resolve_model
 from kvsnap.paths import json_object
 from kvsnap.types import KVLayout
@@ -77,6 +79,7 @@ class LoadedModel:
     # what a new process spends before its first token (benchmarks/startup.py).
     load_timings: dict[str, float] = field(default_factory=dict)
     backend: str = "transformers"  # or "native": kvsnap.models.native runs the forward
+    quantization: str = "none"  # int8, int4: the weights were quantized at load (kvsnap.models.quantize)
 
     @property
     def kv_dtype(self) -> str:
@@ -150,6 +153,7 @@ def load_model(
     install: bool = False,
     check_layout: Callable[[KVLayout], object] | None = None,
     ctx_size: int | None = None,
+    quantize: str = DEFAULT_QUANTIZE,
 ) -> LoadedModel:
     """Load a supported model with its tokenizer, ready for a ``Session``.
 
@@ -157,7 +161,8 @@ def load_model(
     load, so a setting the model cannot take fails in a second, not after the load. ``ctx_size``
     caps the tokens a session holds (prompt and answer) below the model's context (``--ctx-size``):
     a longer prompt is refused, generation stops there, and a process that reserves KV memory
-    (``preload``) reserves that much.
+    (``preload``) reserves that much. ``quantize`` (none, int8, int4, auto: a GGUF's own class) quantizes
+    the weights at load, one linear at a time (``kvsnap.models.quantize``).
     """
     timings: dict[str, float] = {}
     mark = _Stopwatch(timings)
@@ -172,6 +177,7 @@ def load_model(
     mark("kvsnap.engine")
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
+    quantization = _quantization(quantize, folder)  # before the weights load
     raw_config = config_file(folder)
     use_native = native_config.enabled() and dev.type == "cpu"
     config = native_config.plain_config(raw_config) if use_native else None
@@ -189,7 +195,7 @@ def load_model(
     model = None
     if use_native and native_config.unsupported_reason(config, dev) is None:
         try:
-            model = native.load(folder, config, torch_dtype, _tied_aliases(folder))
+            model = native.load(folder, config, torch_dtype, _tied_aliases(folder), quantization != "none")
         except Exception:
             # Not exactly its tensors, or a file it cannot map: transformers loads the folder, or says
             # in its own words what is wrong with it.
@@ -204,11 +210,16 @@ def load_model(
     except (RuntimeError, MemoryError) as exc:
         raise ModelError(f"cannot place {spec} on {dev}: {str(exc).splitlines()[0] if str(exc) else exc}") from None
     mark("place")
+    if quantization != "none":
+        from kvsnap.models.quantize import apply
+
+        apply(model, quantization, torch_dtype)
+    mark("quantize")
     tokenizer = load_tokenizer(folder, plain=isinstance(model, native.NativeCausalLM) and config.model_type == "llama")
     mark("tokenizer")
-    parts = fingerprint_parts(folder, raw_config, layout.dtype)
+    parts = fingerprint_parts(folder, raw_config, layout.dtype, quantization)
     mark("fingerprint")
-    eos = set(_generation_eos(folder))
+    eos = set(generation_eos(folder))
     for source in (getattr(model, "generation_config", None), config, tokenizer):
         value = getattr(source, "eos_token_id", None)
         if isinstance(value, int):
@@ -216,6 +227,10 @@ def load_model(
         elif isinstance(value, (list, tuple)):
             eos.update(v for v in value if isinstance(v, int))
     eos.update(end_of_turn_ids(tokenizer))
+    if quantization != "none":  # the load's float temporaries are gone: their pages go back too
+        from kvsnap.models.quantize import return_freed_memory
+
+        return_freed_memory()
     return LoadedModel(
         name=spec,
         folder=folder,
@@ -234,7 +249,16 @@ def load_model(
         sampling_defaults=sampling_defaults_of(folder),
         load_timings=timings,
         backend="native" if isinstance(model, native.NativeCausalLM) else "transformers",
+        quantization=quantization,
     )
+
+
+def _quantization(mode: str, folder: Path) -> str:
+    """The quantization ``mode`` asks for the model in ``folder`` (``auto``: the class of the GGUF it came from)."""
+    from kvsnap.models import quantize
+
+    source = catalog.marker(folder).get("source") if quantize.check_mode(mode) == "auto" else None
+    return quantize.resolve(mode, quantize.gguf_class(Path(source)) if isinstance(source, str) else None)
 
 
 def _context_source(config, ctx_size: int | None) -> str:
@@ -274,15 +298,6 @@ def _load_with_transformers(folder: Path, config, dev, torch_dtype, mark: Callab
         raise ModelError(f"cannot load the model in {folder}: {exc}") from None
     mark("weights")
     return model
-
-
-def _generation_eos(folder: Path) -> list[int]:
-    """The end-of-sequence ids generation_config.json names (transformers' models read it as their
-    ``generation_config``; the native one reads it here)."""
-    raw = json_object(folder / "generation_config.json")
-    value = raw.get("eos_token_id") if raw is not None else None
-    values = value if isinstance(value, list) else [value]
-    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
 
 
 class _Stopwatch:
@@ -359,41 +374,3 @@ def _same_tensor(model, a: str, b: str) -> bool:
         return model.get_parameter(a) is model.get_parameter(b)
     except AttributeError:
         return False
-
-
-# Tokens chat templates close a turn with. A model whose config names only its end-of-text token
-# (Qwen's <|endoftext|>) would otherwise answer past its own turn, writing the next user message.
-_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endofturn|>")
-
-
-def end_of_turn_ids(tokenizer: Any) -> set[int]:
-    """Ids of the end-of-turn tokens the tokenizer's chat template uses."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not isinstance(template, str):
-        return set()
-    ids = set()
-    for text in _END_OF_TURN:
-        if text in template:
-            token_id = tokenizer.convert_tokens_to_ids(text)
-            if isinstance(token_id, int) and token_id != getattr(tokenizer, "unk_token_id", None):
-                ids.add(token_id)
-    return ids
-
-
-def sampling_defaults_of(folder: Path) -> dict[str, float | int]:
-    """The sampling settings a model's authors recommend, as written in its generation_config.json.
-
-    Read from the file, not from transformers' GenerationConfig, whose class defaults (temperature
-    1.0, top_k 50) would pass for recommendations. ``do_sample: false`` means greedy.
-    """
-    raw = json_object(folder / "generation_config.json")
-    if raw is None:
-        return {}
-    if raw.get("do_sample") is False:
-        return {"temperature": 0.0}
-    found: dict[str, float | int] = {}
-    for key, kind in (("temperature", float), ("top_p", float), ("top_k", int)):
-        value = raw.get(key)
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            found[key] = kind(value)
-    return found

@@ -288,10 +288,14 @@ class NotNative(Exception):
     """The folder's weights are not exactly this module's tensors: load it through transformers."""
 
 
-def load(folder: Path, config: Any, dtype: torch.dtype, aliases: dict[str, str]) -> NativeCausalLM:
+def load(
+    folder: Path, config: Any, dtype: torch.dtype, aliases: dict[str, str], quantizing: bool = False
+) -> NativeCausalLM:
     """The model in ``folder`` with its weights mapped from its safetensors file(s).
 
     ``aliases`` ({dropped name: kept name}) are tensors a conversion stored once for two names.
+    ``quantizing``: the matrices (linears, embedding) stay mapped in the file's dtype, for
+    ``kvsnap.models.quantize`` to read one at a time: no cast copy of the whole model is ever made.
     Raises ``NotNative`` when the file's tensors are not exactly the ones this module has.
     """
     from safetensors.torch import load_file
@@ -316,7 +320,8 @@ def load(folder: Path, config: Any, dtype: torch.dtype, aliases: dict[str, str])
         if tuple(tensor.shape) != tuple(state[name].shape):
             raise NotNative(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(state[name].shape)}")
     # Cast only what needs it (a float32 file into a float32 model is used as mapped).
-    cast = {name: t if t.dtype == dtype else t.to(dtype) for name, t in tensors.items()}
+    kept = {name for name, t in tensors.items() if t.dtype == dtype or (quantizing and t.dim() == 2)}
+    cast = {name: t if name in kept else t.to(dtype) for name, t in tensors.items()}
     model.load_state_dict(cast, assign=True, strict=True)
     if model.shape.tied:
         model.lm_head.weight = model.model.embed_tokens.weight

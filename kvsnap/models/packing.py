@@ -45,6 +45,8 @@ def unsupported_reason(model: Any) -> str | None:
         return "KVSNAP_PACK=0"
     if not hasattr(model, "packable_linears"):
         return "not the native forward"
+    if getattr(model, "quantization", "none") != "none":
+        return "the weights are quantized (kvsnap.models.quantize runs them)"
     weight = model.lm_head.weight
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return "packs float32 or bfloat16 weights on the CPU only"

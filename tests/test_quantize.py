@@ -1,0 +1,157 @@
+"""Weights quantized at load (``--quantize``, kvsnap.models.quantize): int8 and int4 models are models of
+their own. A resume over them must equal their own cold run and skip the prefix; their fingerprints must
+differ from the float model's and from each other; a snapshot made with one quantization is refused, and
+explained, by another.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from cli_helpers import kvsnap
+
+from kvsnap.config import SamplingParams
+from kvsnap.engine.prepare import forward_kind, start_packing
+from kvsnap.engine.session import Session
+from kvsnap.errors import ConfigError, SnapshotError
+from kvsnap.models import load_model, quantize
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=6)
+IDS = list(range(5, 45))
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_model_dir):
+    """``quantized(mode, arch="llama")``: the tiny model loaded with ``--quantize mode``, once per module."""
+    loaded = {}
+
+    def get(mode: str, arch: str = "llama"):
+        if (mode, arch) not in loaded:
+            loaded[mode, arch] = load_model(str(tiny_model_dir(arch)), device="cpu", quantize=mode)
+        return loaded[mode, arch]
+
+    return get
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("chunk", [1, 7])
+def test_a_quantized_resume_equals_its_own_cold_run_and_skips_the_prefix(
+    quantized, mode, chunk, forward_counter, tmp_path
+):
+    lm = quantized(mode)
+    prefix, path = IDS[:27], tmp_path / "p.kv"
+    primer = Session(lm, block_size=8)
+    primer.prefill(prefix)
+    primer.save(path)
+
+    cold = Session(lm, block_size=8, chunk_size=chunk)
+    cold.prefill(IDS)
+    cold_logits, cold_tokens = cold.last_logits.clone(), cold.generate(GREEDY).token_ids
+
+    resumed = Session(lm, block_size=8, chunk_size=chunk)
+    assert resumed.restore(path, IDS).hit_tokens == len(prefix)
+    counter = forward_counter(lm)
+    plan, seen = resumed.prefill(IDS)
+    assert counter.tokens == seen == len(IDS) - len(prefix)
+    assert counter.calls == math.ceil((len(IDS) - len(prefix)) / chunk) == len(plan.chunks)
+    torch.testing.assert_close(resumed.last_logits, cold_logits, rtol=0, atol=1e-4)
+    assert resumed.generate(GREEDY).token_ids == cold_tokens
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_every_linear_runs_quantized_and_the_weights_shrink(quantized, arch):
+    plain, int8, int4 = (quantized(m, arch) for m in ("none", "int8", "int4"))
+    assert (plain.quantization, int8.quantization, int4.quantization) == ("none", "int8", "int4")
+    for lm, bits in ((int8, 8), (int4, 4)):
+        layers = [m for m in lm.model.modules() if isinstance(m, quantize.QuantizedLinear)]
+        assert len(layers) == 7 * lm.config.num_hidden_layers + 1  # q k v o gate up down, and the lm_head
+        assert {m.bits for m in layers if m is not lm.model.lm_head} == {bits}
+        assert not any(p.dtype == torch.float32 and p.dim() == 2 for p in lm.model.parameters())
+    sizes = [quantize.weight_bytes(lm.model) for lm in (plain, int8, int4)]
+    assert sizes[0] > 3 * sizes[1] and sizes[1] > sizes[2]
+    assert forward_kind(int4) == "native forward, int4 weights"
+    assert not start_packing(int4)  # the quantized kernels run them, not oneDNN's packed float product
+
+
+def test_quantized_logits_stay_near_the_float_ones(quantized):
+    ids = torch.tensor([IDS])
+    with torch.inference_mode():
+        logits = {m: quantized(m).model(ids).logits[0].float() for m in ("none", "int8", "int4")}
+    spread = logits["none"].std()
+    assert (logits["int8"] - logits["none"]).abs().mean() < 0.05 * spread
+    assert (logits["int4"] - logits["none"]).abs().mean() < 0.5 * spread
+    assert not torch.equal(logits["int4"], logits["int8"])
+
+
+def test_the_fingerprint_differs_by_quantization_and_a_float_model_keeps_its_own(quantized, tiny_model_dir):
+    prints = {m: quantized(m).fingerprint for m in ("none", "int8", "int4")}
+    assert len(set(prints.values())) == 3
+    assert prints["none"] == load_model(str(tiny_model_dir("llama")), device="cpu").fingerprint
+    assert quantized("int4").fingerprint_parts["quantization"] == "int4"
+    assert "quantization" not in quantized("none").fingerprint_parts
+    # auto keeps a GGUF's class; a folder that is no GGUF conversion stays float.
+    assert load_model(str(tiny_model_dir("llama")), device="cpu", quantize="auto").fingerprint == prints["none"]
+
+
+def test_a_snapshot_made_with_int4_is_refused_by_a_float_run_naming_the_quantization(quantized, tmp_path):
+    path = tmp_path / "int4.kv"
+    s = Session(quantized("int4"), block_size=8)
+    s.prefill(IDS)
+    s.save(path)
+    with pytest.raises(SnapshotError, match="weights quantized int4, not none"):
+        Session(quantized("none"), block_size=8).restore(path, IDS)
+    with pytest.raises(SnapshotError, match="weights quantized int4, not int8"):
+        Session(quantized("int8"), block_size=8).restore(path, IDS)
+    assert Session(quantized("int4"), block_size=8).restore(path, IDS).hit_tokens == len(IDS)
+
+
+def test_explain_names_the_quantization_as_another_model(quantized, tmp_path):
+    path = tmp_path / "int8.kv"
+    s = Session(quantized("int8"), block_size=8)
+    s.prefill(IDS)
+    s.save(path)
+    run = Session(quantized("none"), block_size=8, explain=True, on_mismatch="recompute")
+    miss = run.run(IDS, SamplingParams(max_new_tokens=0), resume=path).miss
+    assert miss["cause"] == "model" and miss["differs"] == ["quantization"] and miss["reused_tokens"] == 0
+    assert "weights quantized int8, not none (--quantize)" in miss["why"]
+
+
+def test_run_quantize_saves_and_resumes_and_a_float_resume_is_refused(tiny_model_dir, tmp_path):
+    model, snap = str(tiny_model_dir("llama")), tmp_path / "q.kv"
+    args = ["run", "--model", model, "--device", "cpu", "--block-size", "8", "--temperature", "0", "--json"]
+    prompt = ["--prompt", "Once upon a time there was a small cache that kept every key."]
+    first = kvsnap(*args, *prompt, "--quantize", "int4", "--max-new-tokens", "0", "--save", snap)
+    assert first.returncode == 0, first.stderr
+    again = kvsnap(*args, *prompt, "--quantize", "int4", "--max-new-tokens", "3", "--resume", snap)
+    assert again.returncode == 0, again.stderr
+    assert '"hit_tokens": 0' not in again.stdout
+    refused = kvsnap(*args, *prompt, "--max-new-tokens", "3", "--resume", snap, "--reuse", "load")
+    assert refused.returncode == 1 and "quantized int4" in refused.stderr
+    bad = kvsnap(*args, *prompt, "--quantize", "int3")
+    assert bad.returncode == 1 and "unknown quantization 'int3'" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("types", "expected"),
+    [(["Q4_1"] * 5 + ["Q6_K"], "int4"), (["Q8_0"] * 3, "int8"), (["F16", "F32"], "none"), (["Q5_K", "Q6_K"], "int4")],
+)
+def test_auto_keeps_the_class_of_a_gguf(types, expected):
+    assert quantize.class_of_gguf_types(types) == expected
+    assert quantize.resolve("auto", expected) == expected
+    assert quantize.resolve("int8", expected) == "int8"
+    assert quantize.resolve("auto", None) == "none"
+    with pytest.raises(ConfigError):
+        quantize.resolve("int2", None)
+
+
+def test_int4_codes_read_back_through_the_kernels_layout():
+    weight = torch.randn(48, 64, generator=torch.Generator().manual_seed(0))
+    layer = quantize.QuantizedLinear(weight, None, bits=4)
+    # Each group's codes span 0..15: the dequantized weight is within half a step of the float one.
+    step = (weight.reshape(48, 2, 32).amax(2) - weight.reshape(48, 2, 32).amin(2)) / 15
+    error = (layer.dequantized(torch.float32) - weight).abs().reshape(48, 2, 32).amax(2)
+    assert bool((error <= step * 0.5 + 0.02).all())
+    odd = quantize.QuantizedLinear(torch.randn(8, 40), None, bits=4)
+    assert odd.bits == 8  # 40 inputs are no whole number of groups: kept in int8
