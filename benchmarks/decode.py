@@ -1,10 +1,20 @@
 """Decode speed side by side with llama.cpp: tokens per second after a context, same GGUF, same prompt.
 
-For each context length a document of that many tokens is prefilled, then 64 tokens are decoded
-greedily (``--new-tokens``); only the decode is timed. kvsnap runs each ``--variant`` (a dtype, with
-or without packed weights, a weight quantization where the build has one: ``float32``,
-``float32-unpacked``, ``bfloat16``, ...), llama.cpp the GGUF as it is (via ``llama-cpp-python``, all
-cores, f16 KV). Runs alternate between the engines; median and spread of ``--repeats`` are reported.
+For each context length a document of that many tokens is prefilled once per engine, then
+``--new-tokens`` tokens (64) are decoded greedily from its end, ``--repeats`` times (3), each time from
+the same prefilled context (the cache cut back to it); only the decode is timed. Both engines run
+``--threads`` threads (2). Runs alternate between the engines (the order reversed every repeat); median
+and spread are reported, and the load average of the machine around each run, since other jobs slow
+both engines (llama.cpp's threads wait on each other, and on a descheduled one, far more than torch's).
+
+kvsnap runs each ``--variant``: ``chat``, what ``kvsnap chat`` runs by default (``--dtype auto``, the
+weights packed for oneDNN, one-row products over whichever weights measured faster, the one-token decode
+step); ``float32`` the same in float32; ``float32-before``: packed weights for every product and the
+general forward for a decode step (``KVSNAP_PACK_ONE_ROW=packed KVSNAP_DECODE_STEP=0``);
+``float32-unpacked``, and ``float32-unpacked-general`` without the decode step; ``bfloat16`` (packed
+where the CPU has bfloat16 instructions). llama.cpp runs the GGUF as it is (via ``llama-cpp-python``,
+f16 KV). ``--profile`` adds a ``torch.profiler`` view of a decode step per variant: time per token,
+operator calls per token, and where the time goes.
 
 llama-cpp-python is not a kvsnap dependency; build it in its own folder and point at it:
 
@@ -18,50 +28,121 @@ Without ``--llama-site`` only kvsnap's variants run (a smoke test, or a machine 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import describe, document, machine, table, write_json  # noqa: E402
-from kvsnap.config import DEFAULT_MODEL, SamplingParams  # noqa: E402
-from kvsnap.engine.prepare import forward_kind, start_packing  # noqa: E402
-from kvsnap.engine.session import Session  # noqa: E402
-from kvsnap.models import load_model  # noqa: E402
+import torch  # noqa: E402
 
-# A variant: (dtype, pack the weights). Quantized variants join this table where the build has them.
+from benchmarks.common import describe, document, machine, table, write_json  # noqa: E402
+from kvsnap.config import DEFAULT_DTYPE, DEFAULT_MODEL, SamplingParams  # noqa: E402
+from kvsnap.engine.cache import KVCache  # noqa: E402
+from kvsnap.engine.prepare import forward_kind, start_packing  # noqa: E402
+from kvsnap.engine.runner import Runner, generate  # noqa: E402
+from kvsnap.models import decode_step, load_model, packing  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Variant:
+    dtype: str
+    pack: bool
+    one_row: str = "auto"  # packing.ONE_ROW while it packs
+    step: bool = True  # the one-token decode step (decode_step.ENABLED)
+
+
 VARIANTS = {
-    "float32": ("float32", True),
-    "float32-unpacked": ("float32", False),
-    "bfloat16": ("bfloat16", True),
+    "chat": Variant(DEFAULT_DTYPE, True),
+    "float32": Variant("float32", True),
+    "float32-before": Variant("float32", True, one_row="packed", step=False),
+    "float32-unpacked": Variant("float32", False),
+    "float32-unpacked-general": Variant("float32", False, step=False),
+    "bfloat16": Variant("bfloat16", True),
 }
 
 
-def kvsnap_decode(lm, ids: list[int], new_tokens: int) -> tuple[float, int]:
-    """Tokens per second of a greedy decode after ``ids`` (prefill not timed), and the tokens made."""
-    session = Session(lm)
-    session.prefill(ids)
-    params = SamplingParams(max_new_tokens=new_tokens, temperature=0, stop_loops=False)
-    t0 = time.perf_counter()
-    gen = session.generate(params)
-    seconds = time.perf_counter() - t0
-    # The first token comes from the prefill's logits; every later one cost a forward.
-    return (len(gen.token_ids) - 1) / seconds, len(gen.token_ids)
+class KvsnapDecode:
+    """One variant's model, and a context prefilled once per length that every decode starts from."""
+
+    def __init__(self, model: str, variant: Variant):
+        self.variant = variant
+        self.lm = load_model(model, device="cpu", dtype=variant.dtype)
+        if variant.pack:
+            chosen, packing.ONE_ROW = packing.ONE_ROW, variant.one_row
+            try:
+                start_packing(self.lm)
+                if self.lm.model.packing is not None:
+                    self.lm.model.packing.wait()
+            finally:
+                packing.ONE_ROW = chosen
+        self.runner = Runner(self.lm)
+        self.cache: KVCache | None = None
+        self.logits: torch.Tensor | None = None
+        self.length = 0
+
+    def prefill(self, ids: list[int]) -> None:
+        self.cache = KVCache(self.lm.config)
+        self.cache.reserve(len(ids) + 256, self.lm.layout, self.lm.device)
+        self.logits = self.runner.forward(self.cache, ids, 0)
+        self.length = len(ids)
+
+    def decode(self, new_tokens: int) -> tuple[float, int]:
+        """Tokens per second of a greedy decode from the prefilled context, and the tokens made."""
+        self.cache.crop(self.length)
+        params = SamplingParams(max_new_tokens=new_tokens, temperature=0, stop_loops=False)
+        with self.stepping():
+            t0 = time.perf_counter()
+            gen = generate(self.runner, self.cache, self.logits, self.length, params)
+            seconds = time.perf_counter() - t0
+        # The first token comes from the prefill's logits; every later one cost a forward.
+        return (len(gen.token_ids) - 1) / seconds, len(gen.token_ids)
+
+    @contextlib.contextmanager
+    def stepping(self) -> Iterator[None]:
+        saved, decode_step.ENABLED = decode_step.ENABLED, self.variant.step
+        try:
+            yield
+        finally:
+            decode_step.ENABLED = saved
+
+    def profile(self, new_tokens: int) -> dict[str, object]:
+        """A profiled decode: ms and operator calls per token, and the operators that took the most time."""
+        self.decode(4)  # warm
+        with torch.profiler.profile() as prof:
+            rate, made = self.decode(new_tokens)
+        events = prof.key_averages()
+        steps = made - 1
+        top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:5]
+        return {
+            "ms_per_token": 1e3 / rate,
+            "calls_per_token": sum(e.count for e in events) / steps,
+            "top": [(e.key, e.self_cpu_time_total / 1e3 / steps) for e in top],
+        }
 
 
 class LlamaCppDecode:
-    def __init__(self, site: str, n_ctx: int, extra_bufts: bool):
+    def __init__(self, site: str, n_ctx: int, extra_bufts: bool, threads: int):
         from benchmarks.llamacpp import LlamaCpp
 
-        self.cpp = LlamaCpp(site, n_ctx=n_ctx, extra_bufts=extra_bufts)
+        self.cpp = LlamaCpp(site, n_ctx=n_ctx, extra_bufts=extra_bufts, threads=threads)
+        self.token = 0
+        self.length = 0
 
-    def decode(self, ids: list[int], new_tokens: int) -> tuple[float, int]:
+    def prefill(self, ids: list[int]) -> None:
         cpp = self.cpp
         cpp.clear()
         cpp.llm.eval(ids)
-        token = cpp.first_token()
+        self.token, self.length = cpp.first_token(), len(ids)
+
+    def decode(self, new_tokens: int) -> tuple[float, int]:
+        cpp, token = self.cpp, self.token
+        cpp.cut(self.length)
         t0 = time.perf_counter()
         for _ in range(new_tokens - 1):
             cpp.llm.eval([token])
@@ -76,58 +157,83 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--variant", nargs="+", choices=sorted(VARIANTS), default=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=2, help="threads of both engines")
+    parser.add_argument("--variant", nargs="+", choices=sorted(VARIANTS), default=["chat", "float32-before"])
+    parser.add_argument("--profile", action="store_true", help="also profile a decode step of each variant")
     parser.add_argument("--llama-site", help="site-packages folder holding llama_cpp (omit: kvsnap only)")
     parser.add_argument("--no-extra-bufts", action="store_true", help="llama.cpp without AMX/repacked buffers")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
 
-    models = {}
+    engines: dict[str, KvsnapDecode | LlamaCppDecode] = {}
     for name in args.variant:
-        dtype, pack = VARIANTS[name]
-        lm = load_model(args.model, device="cpu", dtype=dtype)
-        if pack:
-            start_packing(lm)
-        kvsnap_decode(lm, document(lm.tokenizer, 32), 4)  # warm up (and wait for the packing)
-        models[name] = lm
-    any_lm = next(iter(models.values()))
-    cpp = None
+        engines[f"kvsnap {name}"] = KvsnapDecode(args.model, VARIANTS[name])
+    tokenizer = next(iter(engines.values())).lm.tokenizer
     if args.llama_site:
-        cpp = LlamaCppDecode(args.llama_site, max(args.lengths) + args.new_tokens + 8, not args.no_extra_bufts)
-        cpp.decode(document(any_lm.tokenizer, 32), 4)
-    engines = {
-        f"kvsnap {name}": (lambda ids, lm=lm: kvsnap_decode(lm, ids, args.new_tokens)) for name, lm in models.items()
-    }
-    if cpp is not None:
-        engines["llama.cpp"] = lambda ids: cpp.decode(ids, args.new_tokens)
+        n_ctx = max(args.lengths) + args.new_tokens + 8
+        engines["llama.cpp"] = LlamaCppDecode(args.llama_site, n_ctx, not args.no_extra_bufts, args.threads)
+    warm = document(tokenizer, 32)
+    for engine in engines.values():  # warm up (first calls allocate and fault pages in)
+        engine.prefill(warm)
+        engine.decode(4)
 
-    rows, runs = [], []
+    rows, runs, profiles, loads = [], [], {}, []
     for n in args.lengths:
-        ids = document(any_lm.tokenizer, n)
+        ids = document(tokenizer, n)
+        for engine in engines.values():
+            engine.prefill(ids)
         rates: dict[str, list[float]] = {name: [] for name in engines}
         for r in range(args.repeats):
             order = list(engines) if r % 2 == 0 else list(reversed(engines))  # alternate who goes first
             for name in order:
-                rate, made = engines[name](ids)
+                before = os.getloadavg()[0]
+                rate, made = engines[name].decode(args.new_tokens)
+                load = (before + os.getloadavg()[0]) / 2
+                loads.append(load)
                 rates[name].append(rate)
                 runs.append({"tokens": n, "engine": name, "repeat": r, "tok_per_s": rate, "new_tokens": made})
+                runs[-1]["load_average"] = load
         row = {"context": n}
         for name, values in rates.items():
             row[name] = f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
-        if cpp is not None:
+        if "llama.cpp" in engines:
             base = statistics.median(rates["llama.cpp"])
-            for name in models:
-                row[f"kvsnap {name} / llama.cpp"] = f"{statistics.median(rates['kvsnap ' + name]) / base:.2f}"
+            for name in engines:
+                if name != "llama.cpp":
+                    row[f"{name} / llama.cpp"] = f"{statistics.median(rates[name]) / base:.2f}"
         rows.append(row)
+        if args.profile and n == args.lengths[0]:
+            for name, engine in engines.items():
+                if isinstance(engine, KvsnapDecode):
+                    profiles[name] = engine.profile(min(args.new_tokens, 17))
 
     info = machine()
     print(describe(info))
-    kinds = ", ".join(f"{name}: {forward_kind(lm)}" for name, lm in models.items())
+    kinds = ", ".join(
+        f"{name}: {forward_kind(e.lm)}{'' if e.variant.step else ', general forward for a step'}"
+        for name, e in engines.items()
+        if isinstance(e, KvsnapDecode)
+    )
     print(
-        f"decode tokens/s after a context, {args.new_tokens} greedy tokens, median (min-max) of {args.repeats}; {kinds}"
+        f"decode tokens/s after a context, {args.new_tokens} greedy tokens, {args.threads} threads, median (min-max) "
+        f"of {args.repeats}; load average {min(loads):.1f}-{max(loads):.1f} (median {statistics.median(loads):.1f}) "
+        f"on {os.cpu_count()} cores; {kinds}"
     )
     columns = [("context", "context", "d")] + [(k, k, "s") for k in rows[0] if k != "context"]
     print(table(rows, columns))
-    payload = {"machine": info, "model": args.model, "new_tokens": args.new_tokens, "rows": rows, "runs": runs}
+    for name, p in profiles.items():
+        top = ", ".join(f"{key} {ms:.1f}" for key, ms in p["top"])
+        print(f"profile {name}: {p['ms_per_token']:.1f} ms/token, {p['calls_per_token']:.0f} calls/token; ms: {top}")
+    payload = {
+        "machine": info,
+        "model": args.model,
+        "new_tokens": args.new_tokens,
+        "threads": args.threads,
+        "load_average": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)},
+        "rows": rows,
+        "runs": runs,
+        "profiles": profiles,
+    }
     print(f"wrote {write_json('decode', payload)}")
 
 

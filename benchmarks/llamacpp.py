@@ -52,7 +52,7 @@ def gguf_path() -> Path:
 
 
 class LlamaCpp:
-    def __init__(self, site: str, n_ctx: int, extra_bufts: bool = True):
+    def __init__(self, site: str, n_ctx: int, extra_bufts: bool = True, threads: int | None = None):
         sys.path.insert(0, site)
         import llama_cpp
         import llama_cpp.llama_cpp as low
@@ -70,7 +70,12 @@ class LlamaCpp:
 
             low.llama_model_default_params = params
         self.llm = llama_cpp.Llama(
-            model_path=str(gguf_path()), n_ctx=n_ctx, n_threads=os.cpu_count(), n_batch=512, verbose=False
+            model_path=str(gguf_path()),
+            n_ctx=n_ctx,
+            n_threads=threads or os.cpu_count(),
+            n_threads_batch=threads or os.cpu_count(),
+            n_batch=512,
+            verbose=False,
         )
         self.ctx = self.llm._ctx.ctx
 
@@ -81,6 +86,15 @@ class LlamaCpp:
         else:
             lib.llama_kv_cache_clear(self.ctx)
         self.llm.reset()
+
+    def cut(self, length: int) -> None:
+        """Keep the first ``length`` tokens of the context (their KV), drop the rest."""
+        lib = self.lib
+        if hasattr(lib, "llama_get_memory"):
+            lib.llama_memory_seq_rm(lib.llama_get_memory(self.ctx), 0, length, -1)
+        else:
+            lib.llama_kv_cache_seq_rm(self.ctx, 0, length, -1)
+        self.llm.n_tokens = length
 
     def cold(self, ids: list[int]) -> float:
         self.clear()

@@ -202,12 +202,22 @@ def test_packing_benchmark_compares_packed_and_unpacked_forwards(bench, tiny_mod
 
 def test_decode_benchmark_reports_tokens_per_second_per_variant(bench, tiny_model_dir):
     args = ("--model", str(tiny_model_dir("llama")), "--lengths", "48", "--new-tokens", "6", "--repeats", "2")
-    out, data = bench("decode", *args, "--variant", "float32", "float32-unpacked")
-    assert out.startswith("machine: ") and "decode tokens/s" in out
+    variants = ("chat", "float32-unpacked", "float32-unpacked-general")
+    out, data = bench("decode", *args, "--variant", *variants, "--profile")
+    assert out.startswith("machine: ") and "decode tokens/s" in out and "2 threads" in out
     rates = [r["tok_per_s"] for r in data["runs"]]
-    assert len(rates) == 2 * 2 and all(rate > 0 for rate in rates)
-    assert {r["engine"] for r in data["runs"]} == {"kvsnap float32", "kvsnap float32-unpacked"}
-    assert all(r["new_tokens"] == 6 for r in data["runs"])
+    assert len(rates) == 3 * 2 and all(rate > 0 for rate in rates)
+    # No --llama-site: llama.cpp is left out, not an error.
+    assert {r["engine"] for r in data["runs"]} == {f"kvsnap {v}" for v in variants}
+    assert all(r["new_tokens"] == 6 and r["load_average"] >= 0 for r in data["runs"])
+    assert data["threads"] == 2 and data["load_average"]["min"] <= data["load_average"]["max"]
+    assert "general forward for a step" in out  # what the variant without the decode step ran, named
+    # A profile per variant: time and operator calls per token; the decode step makes fewer calls.
+    profiles = data["profiles"]
+    assert set(profiles) == {f"kvsnap {v}" for v in variants}
+    assert all(p["ms_per_token"] > 0 and p["top"] for p in profiles.values())
+    step, general = profiles["kvsnap float32-unpacked"], profiles["kvsnap float32-unpacked-general"]
+    assert step["calls_per_token"] < general["calls_per_token"]
 
 
 def test_context_shift_benchmark_times_both_ways_and_finds_the_rotation_exact(bench, tiny_model_dir):

@@ -53,6 +53,7 @@ MAY_IMPORT_TORCH = {
     "kvsnap.integrations.vllm_pages",
     "kvsnap.models.architecture",
     "kvsnap.models.attention",
+    "kvsnap.models.decode_step",
     "kvsnap.models.exact",
     "kvsnap.models.native",
     "kvsnap.models.packing",

@@ -13,15 +13,25 @@ import math
 import pytest
 import tiny_models
 import torch
+from exact_diagnosis import cuts, prefill_kv
 from test_native import NATIVE_ARCHS, _run
 
 from kvsnap.config import SamplingParams
+from kvsnap.engine.cache import KVCache
 from kvsnap.engine.prepare import forward_kind, start_packing
+from kvsnap.engine.runner import Runner
 from kvsnap.engine.session import Session
 from kvsnap.models import load_model, native, packing
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=6)
 IDS = list(range(3, 25))
+
+
+@pytest.fixture(autouse=True)
+def one_row_packed(monkeypatch):
+    """One-row products over the packed weights too, unless a test says otherwise: what runs where is
+    then fixed, not the outcome of a timing (``packing.ONE_ROW``)."""
+    monkeypatch.setattr(packing, "ONE_ROW", "packed")
 
 
 def _load(tiny_model_dir, arch: str = "llama", dtype: str = "float32"):
@@ -243,3 +253,41 @@ def test_a_packing_that_fails_leaves_the_model_as_it_was(failure, tiny_model_dir
     for x, y in zip(a[0], b[0]):
         assert torch.equal(x, y)  # exactly the unpacked model
     assert torch.equal(a[1], b[1])
+
+
+def test_one_row_products_run_unpacked_where_that_was_chosen(tiny_model_dir, monkeypatch):
+    """A decode step (and the lm_head, always one row) over the plain weights, a chunk over the packed
+    ones; the lm_head then keeps no packed copy at all. The same model to float rounding."""
+    monkeypatch.setattr(packing, "ONE_ROW", "plain")
+    plain, lm = _load(tiny_model_dir), _load(tiny_model_dir)
+    assert start_packing(lm)
+    lm.model.packing.wait()
+    assert lm.model.packing.one_row_packed == (False, False)
+    assert all(_packed(lm)[:-1]) and lm.model.lm_head.packed is None
+    assert forward_kind(lm) == "native forward, packed weights (one-row products unpacked: layers, lm_head)"
+    calls = _count_packed_products(monkeypatch)
+    runner, cache = Runner(lm), KVCache(lm.config)
+    runner.forward(cache, IDS[:9], 0)
+    assert len(calls) == len(_packed(lm)) - 1  # the chunk: every layer's product packed, the lm_head not
+    calls.clear()
+    runner.forward(cache, IDS[9:10], 9)
+    assert not calls  # a decode step: none
+    (a_logits, a_kv), (b_logits, b_kv) = _run(plain, IDS), _run(lm, IDS)
+    for a, b in zip(a_logits, b_logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a_kv, b_kv, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("one_row", ["plain", "auto"])
+def test_an_exact_forward_over_packed_weights_stays_batch_invariant(one_row, tiny_model_dir, monkeypatch):
+    """Whatever one-row products run over, an exact forward's KV does not depend on the cut: its decode
+    step's products are padded to a chunk's shape, so they run over the weights a chunk runs over."""
+    monkeypatch.setattr(packing, "ONE_ROW", one_row)
+    lm = _load(tiny_model_dir)
+    assert start_packing(lm)
+    lm.model.packing.wait()
+    assert lm.model.packing.done and len(lm.model.packing.one_row_packed) == 2
+    ids = list(range(3, 40))
+    whole_kv, whole_logits = prefill_kv(lm, ids, [(0, len(ids))], exact=True)
+    one_at_a_time_kv, logits = prefill_kv(lm, ids, cuts(len(ids), [1]), exact=True)
+    assert torch.equal(whole_kv, one_at_a_time_kv) and torch.equal(whole_logits, logits)

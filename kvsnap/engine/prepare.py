@@ -35,7 +35,12 @@ def forward_kind(lm: LoadedModel) -> str:
         return f"{lm.backend} forward"
     if packing.error is not None:
         return f"{lm.backend} forward, weights not packed ({packing.error})"
-    return f"{lm.backend} forward, {'packed weights' if packing.done else 'packing weights'}"
+    if not packing.done:
+        return f"{lm.backend} forward, packing weights"
+    # Where one-row products (a decode step, the lm_head) measured faster over the plain weights.
+    unpacked = [name for name, on in zip(("layers", "lm_head"), packing.one_row_packed or ()) if not on]
+    plain = f" (one-row products unpacked: {', '.join(unpacked)})" if unpacked else ""
+    return f"{lm.backend} forward, packed weights{plain}"
 
 
 def reserve_context(lm: LoadedModel) -> bool:

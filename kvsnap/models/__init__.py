@@ -10,6 +10,7 @@ load             device, dtype, weights and tokenizer -> ``LoadedModel`` (import
 architecture     what a config says about the KV cache: its layout, whether kvsnap takes the model
 native_config    which configs the native forward takes (config.json read without transformers)
 native           a plain-torch Llama/Mistral/Qwen2 forward on the CPU
+decode_step      the native forward's one-token step, in fewer operator calls
 attention        kvsnap's GQA-aware SDPA, registered with transformers
 packing          the native forward's linear weights reordered for oneDNN
 plain_tokenizer  a native folder's tokenizer.json on the ``tokenizers`` library

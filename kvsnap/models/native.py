@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvsnap.models import decode_step, packing
 from kvsnap.models import exact as invariant
-from kvsnap.models import packing
 from kvsnap.models.native_config import FAMILY
 
 
@@ -86,11 +86,16 @@ class Linear(nn.Module):
         self.bias = _param(outputs) if bias else None
         self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout (kvsnap.models.packing)
         self.packed_of: packing.Source | None = None  # the weight it was made from
+        self.packed_one_row = True  # whether a one-row product runs over it too (packing.ONE_ROW)
 
     def forward(self, x: torch.Tensor, exact: bool = False) -> torch.Tensor:
         packed, source = self.packed, self.packed_of
         if packed is not None and source is not None and not source.matches(self.weight):
             packed = self.packed = self.packed_of = None  # moved, cast (even back) or loaded since: stale, drop it
+        # A one-row product runs over the packed weight where that measured faster; an exact forward's
+        # products are never one row (kvsnap.models.exact pads them), so it runs one kernel for every cut.
+        if not self.packed_one_row and not exact and x.numel() == x.shape[-1]:
+            packed = None
         if packed is not None and source is not None and x.dtype == packed.dtype:
             if not exact:
                 return packing.linear(x, packed, self.bias)
@@ -207,6 +212,8 @@ class Decoder(nn.Module):
         cos = emb.cos().to(x.dtype).unsqueeze(1)
         sin = emb.sin().to(x.dtype).unsqueeze(1)
         q_len = input_ids.shape[1]
+        if q_len == 1 and cache is not None and not exact and input_ids.shape[0] == 1 and decode_step.ENABLED:
+            return decode_step.hidden(self, x, cos, sin, cache)  # a decode step: the same layers, fewer calls
         past = cache.get_seq_length() if cache is not None else 0
         mask = None
         if exact:  # the attention's cut, for every layer (kvsnap.models.exact)

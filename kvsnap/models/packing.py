@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any
 
 import torch
@@ -34,6 +35,12 @@ import torch.nn.functional as F
 from kvsnap import limits
 
 ENABLED = os.environ.get("KVSNAP_PACK", "1") != "0"
+# Whether one-row products (a decode step; the lm_head, which every forward runs on one row) use the packed
+# weights: "auto" times both once per packing, "packed" or "plain" say so. Packing makes a chunk's
+# products faster on every CPU measured, but a one-row product is a matrix-vector product, bound by
+# memory: oneDNN's packed one ran 1.4x slower than F.linear on a Xeon and faster on an AMD EPYC.
+ONE_ROW = os.environ.get("KVSNAP_PACK_ONE_ROW", "auto")
+ONE_ROW_REPEATS = 7  # timed rounds per choice, alternating; the fastest of each is compared
 STARTING = threading.Lock()  # two threads starting one model's packing start one
 # The budget also bounds the reorder a first forward waits on.
 MAX_PACKED_BYTES = int(os.environ.get("KVSNAP_PACK_BYTES") or 0) or limits.memory_budget()
@@ -95,6 +102,8 @@ class Packing:
     def __init__(self, model: Any):
         self.error: str | None = None
         self.done = False
+        # What the one-row products run over (``ONE_ROW``), once done: the layers' and the lm_head's.
+        self.one_row_packed: tuple[bool, bool] | None = None
         self._thread = threading.Thread(target=self._run, args=(model,), name="kvsnap-pack", daemon=True)
         self._thread.start()
 
@@ -106,22 +115,51 @@ class Packing:
 
         try:
             linears = list(model.packable_linears())
-            # The lm_head too, though a forward runs it on one row and it may be the tied embedding (a
-            # copy): F.linear runs a one-row product on one core, oneDNN on all of them. Only within the
-            # budget: the layers gain more, so a model with room for them alone packs them alone.
-            if _bytes([*linears, model.lm_head]) <= MAX_PACKED_BYTES:
-                linears.append(model.lm_head)
             _check(linears[0])
             # Two threads: a reorder runs mostly on one core.
             with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
                 packed = list(pool.map(lambda m: pack(m.weight), linears))
+            # A decode step's products: the first layer's (every layer has its shapes), timed both ways.
+            in_first = set(model.model.layers[0].modules())
+            first = [(m, w) for m, w in zip(linears, packed) if m in in_first]
+            layers_one_row = _one_row_packed(first)
+            # The lm_head too, though it may be the tied embedding (a copy), where its one-row product
+            # runs faster packed (the engine runs it on the last row alone: F.linear on one core, oneDNN
+            # on all of them, ran faster on an AMD EPYC). Only within the budget: the layers gain more,
+            # so a model with room for them alone packs them alone.
+            head_one_row = False
+            if _bytes([*linears, model.lm_head]) <= MAX_PACKED_BYTES:
+                head = pack(model.lm_head.weight)
+                head_one_row = _one_row_packed([(model.lm_head, head)])
+                if head_one_row:
+                    linears.append(model.lm_head)
+                    packed.append(head)
         except Exception as exc:  # noqa: BLE001  (any failure leaves the model unpacked, and says why)
             self.error = f"{type(exc).__name__}: {exc}"
             return
         for module, weight in zip(linears, packed):  # all at once: no forward sees a mix
             module.packed_of = Source(module.weight)
             module.packed = weight
+            module.packed_one_row = layers_one_row or module is model.lm_head
+        self.one_row_packed = (layers_one_row, head_one_row)
         self.done = True
+
+
+def _one_row_packed(pairs: list[tuple[Any, torch.Tensor]]) -> bool:
+    """Whether one-row products over these (module, packed weight) pairs run faster packed (``ONE_ROW``)."""
+    if ONE_ROW in ("packed", "plain"):
+        return ONE_ROW == "packed"
+    best = {True: float("inf"), False: float("inf")}
+    with torch.inference_mode():
+        rows = {m: torch.randn(1, m.weight.shape[1]).to(m.weight.dtype) for m, _ in pairs}
+        for i in range(ONE_ROW_REPEATS + 1):  # a first, untimed round: caches and thread pools
+            for use_packed in (True, False) if i % 2 else (False, True):
+                t0 = time.perf_counter()
+                for m, w in pairs:
+                    _ = linear(rows[m], w, m.bias) if use_packed else F.linear(rows[m], m.weight, m.bias)
+                if i:
+                    best[use_packed] = min(best[use_packed], time.perf_counter() - t0)
+    return best[True] < best[False]
 
 
 def _bytes(linears: list[Any]) -> int:
