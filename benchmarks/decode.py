@@ -55,6 +55,7 @@ class Variant:
     pack: bool
     one_row: str = "auto"  # packing.ONE_ROW while it packs
     step: bool = True  # the one-token decode step (decode_step.ENABLED)
+    quantize: str = "none"  # --quantize (quantized models are never packed)
 
 
 VARIANTS = {
@@ -64,6 +65,8 @@ VARIANTS = {
     "float32-unpacked": Variant("float32", False),
     "float32-unpacked-general": Variant("float32", False, step=False),
     "bfloat16": Variant("bfloat16", True),
+    "int8": Variant("float32", False, quantize="int8"),
+    "int4": Variant("float32", False, quantize="int4"),
 }
 
 
@@ -72,7 +75,7 @@ class KvsnapDecode:
 
     def __init__(self, model: str, variant: Variant):
         self.variant = variant
-        self.lm = load_model(model, device="cpu", dtype=variant.dtype)
+        self.lm = load_model(model, device="cpu", dtype=variant.dtype, quantize=variant.quantize)
         if variant.pack:
             chosen, packing.ONE_ROW = packing.ONE_ROW, variant.one_row
             try:

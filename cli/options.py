@@ -114,7 +114,7 @@ Quantize = Annotated[
     str,
     typer.Option(
         metavar="Q",
-        help="Weights: none, int8, int4, or auto (a GGUF keeps its class: Q4 -> int4, Q8 -> int8).",
+        help="Quantize weights: int8, int4, auto.",
         show_default=False,
         rich_help_panel=MODEL,
     ),

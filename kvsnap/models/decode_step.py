@@ -33,6 +33,13 @@ import torch.nn.functional as F
 ENABLED = os.environ.get("KVSNAP_DECODE_STEP", "1") != "0"
 
 
+class Step:
+    """The mask argument that tells a decoder layer it runs one decode step (``layer``)."""
+
+
+STEP = Step()
+
+
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
     """``sin`` with its first half negated: ``rotate_half(x) * sin == flip_halves(x) * signed_sin(sin)``."""
     half = sin.shape[-1] // 2
@@ -58,10 +65,10 @@ def layer(block: Any, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tens
     attn = block.self_attn
     h = norm(block.input_layernorm, x)
     head_dim = attn.head_dim
-    q = attn.q_proj(h)  # [1, heads * head_dim]
-    heads, kv_heads = q.shape[-1] // head_dim, attn.k_proj.weight.shape[0] // head_dim
+    q, k = attn.q_proj(h), attn.k_proj(h)  # [1, heads * head_dim], [1, kv_heads * head_dim]
+    heads, kv_heads = q.shape[-1] // head_dim, k.shape[-1] // head_dim
     q = rotate(q, heads, cos, sin_signed)  # [heads, head_dim]
-    k = rotate(attn.k_proj(h), kv_heads, cos, sin_signed)
+    k = rotate(k, kv_heads, cos, sin_signed)
     v = attn.v_proj(h)
     keys, values = cache.update(k.view(1, kv_heads, 1, head_dim), v.view(1, kv_heads, 1, head_dim), attn.index)
     out = F.scaled_dot_product_attention(
@@ -78,5 +85,7 @@ def hidden(decoder: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     cos, sin_signed = cos.view(-1), signed_sin(sin.view(-1))
     row = x.view(1, -1)
     for block in decoder.layers:
-        row = layer(block, row, cos, sin_signed, cache)
+        # Called as a module, with STEP where the mask goes: the layer's forward comes back to
+        # ``layer``, and hooks on the layer fire as in any forward.
+        row = block(row, cos, sin_signed, STEP, cache)
     return norm(decoder.norm, row).view(x.shape)

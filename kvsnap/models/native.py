@@ -193,6 +193,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(s.hidden, s.eps)
 
     def forward(self, x, cos, sin, mask, cache) -> torch.Tensor:
+        if mask is decode_step.STEP:
+            return decode_step.layer(self, x, cos, sin, cache)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x), isinstance(mask, invariant.Plan))
 
