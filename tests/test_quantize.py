@@ -124,7 +124,8 @@ def test_run_quantize_saves_and_resumes_and_a_float_resume_is_refused(tiny_model
     prompt = ["--prompt", "Once upon a time there was a small cache that kept every key."]
     first = kvsnap(*args, *prompt, "--quantize", "int4", "--max-new-tokens", "0", "--save", snap)
     assert first.returncode == 0, first.stderr
-    again = kvsnap(*args, *prompt, "--quantize", "int4", "--max-new-tokens", "3", "--resume", snap)
+    # --reuse load: the cost model may prefer recomputing so short a prefix on some machines.
+    again = kvsnap(*args, *prompt, "--quantize", "int4", "--max-new-tokens", "3", "--resume", snap, "--reuse", "load")
     assert again.returncode == 0, again.stderr
     assert '"hit_tokens": 0' not in again.stdout
     refused = kvsnap(*args, *prompt, "--max-new-tokens", "3", "--resume", snap, "--reuse", "load")
