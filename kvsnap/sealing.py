@@ -6,7 +6,8 @@ read in ``ps``. The file must be a regular file its owner alone can read (0600 o
 is refused. ``SealKey.seal`` gives ``nonce || ciphertext || tag`` (a fresh random 96-bit nonce each
 time), bound to the caller's associated data, so a sealed piece cannot be moved to another place or
 file; ``open`` refuses a wrong key or any changed byte with ``SealError``. ``key_id`` names a key
-without revealing it (an HMAC of a fixed text), so a file can say which key it needs.
+without revealing it (an HMAC of a fixed text), so a file can say which key it needs; ``resolve_key``
+finds that key (the one given, else ``$KVSNAP_KEY_FILE``'s) for sealed snapshots and stores alike.
 
 ``cryptography`` is imported on first use: a command that never seals or opens pays nothing.
 """
@@ -33,6 +34,11 @@ _KEY_FILE_LIMIT = 4096
 
 class SealError(KvsnapError):
     """A sealed piece that does not open: another key, or a changed byte."""
+
+
+class KeyResolutionError(KvsnapError):
+    """No key to open what was sealed: none given or set, an unreadable key file, or another key.
+    Callers raise their own error type with this message (``SnapshotKeyError``, ``StoreError``)."""
 
 
 class SealKey:
@@ -124,3 +130,20 @@ def key_from_env(required: str | None = None) -> SealKey | None:
             raise ConfigError(f"{required} needs a key: set {KEY_ENV} to a key file (kvsnap keygen FILE makes one)")
         return None
     return read_key_file(Path(path).expanduser())
+
+
+def resolve_key(key_id: str, key: SealKey | None, *, what: str, other_key: str) -> SealKey:
+    """``key``, else ``$KVSNAP_KEY_FILE``'s, if it is the key ``key_id`` names; else
+    ``KeyResolutionError``. Its message starts with ``what`` (what is sealed: "encrypted", "STORE:
+    encrypted store") and says ``other_key`` ("with another key") when the key is another one, so
+    each caller's messages read as its own."""
+    if key is None:
+        try:
+            key = key_from_env()
+        except ConfigError as exc:
+            raise KeyResolutionError(f"{what}, and the key cannot be read: {exc}") from None
+    if key is None:
+        raise KeyResolutionError(f"{what} (key {key_id}): set {KEY_ENV} to its key file")
+    if key.key_id != key_id:
+        raise KeyResolutionError(f"{what} {other_key} (key {key_id}; {KEY_ENV} holds key {key.key_id})")
+    return key

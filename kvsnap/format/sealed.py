@@ -26,11 +26,11 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from kvsnap.errors import ConfigError, KvsnapError, SnapshotError, SnapshotKeyError
+from kvsnap.errors import KvsnapError, SnapshotError, SnapshotKeyError
 from kvsnap.format.meta import FORMAT_VERSION, SEALED_VERSION, header_json
 from kvsnap.limits import MAX_HEADER_BYTES
 from kvsnap.paths import open_regular
-from kvsnap.sealing import KEY_ENV, SealError, SealKey, key_from_env
+from kvsnap.sealing import KeyResolutionError, SealError, SealKey, resolve_key
 
 CIPHER = "AES-256-GCM"
 META_TENSOR = "sealed_meta"
@@ -76,16 +76,10 @@ def sealing_of(header_meta: dict[str, str] | None) -> Sealing | None:
 
 def key_for(sealing: Sealing, key: SealKey | None) -> SealKey:
     """``key``, else ``$KVSNAP_KEY_FILE``'s, if it is the one the file was sealed with."""
-    if key is None:
-        try:
-            key = key_from_env()
-        except ConfigError as exc:
-            raise SnapshotKeyError(f"encrypted, and the key cannot be read: {exc}") from None
-    if key is None:
-        raise SnapshotKeyError(f"encrypted (key {sealing.key_id}): set {KEY_ENV} to its key file")
-    if key.key_id != sealing.key_id:
-        raise SnapshotKeyError(f"encrypted with another key (key {sealing.key_id}; {KEY_ENV} holds key {key.key_id})")
-    return key
+    try:
+        return resolve_key(sealing.key_id, key, what="encrypted", other_key="with another key")
+    except KeyResolutionError as exc:
+        raise SnapshotKeyError(str(exc)) from None
 
 
 def open_piece(key: SealKey, sealing: Sealing, name: str, data: bytes | memoryview) -> bytes:

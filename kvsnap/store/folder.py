@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvsnap.errors import ConfigError, StoreError
+from kvsnap.errors import StoreError
 from kvsnap.format.atomic import locked
-from kvsnap.sealing import KEY_ENV, SealKey, key_from_env
+from kvsnap.sealing import KeyResolutionError, SealKey, resolve_key
 from kvsnap.store.files import (
     DAMAGED_INDEX_NAME,
     INDEX_NAME,
@@ -121,17 +121,10 @@ def _files_of(files: StoreFiles, marker: dict[str, Any], key: SealKey | None) ->
         return files
     if not isinstance(sealed, dict) or sealed.get("cipher") != CIPHER or not isinstance(sealed.get("key_id"), str):
         raise StoreError(f"{files.marker_path}: not a kvsnap store marker (damaged?)")
-    if key is None:
-        try:
-            key = key_from_env()
-        except ConfigError as exc:
-            raise StoreError(f"{root}: encrypted store, and the key cannot be read: {exc}") from None
-    if key is None:
-        raise StoreError(f"{root}: encrypted store (key {sealed['key_id']}): set {KEY_ENV} to its key file")
-    if key.key_id != sealed["key_id"]:
-        raise StoreError(
-            f"{root}: encrypted store of another key (key {sealed['key_id']}; {KEY_ENV} holds key {key.key_id})"
-        )
+    try:
+        key = resolve_key(sealed["key_id"], key, what=f"{root}: encrypted store", other_key="of another key")
+    except KeyResolutionError as exc:
+        raise StoreError(str(exc)) from None
     return SealedStoreFiles(root, key)
 
 
