@@ -131,6 +131,39 @@ def run_child(code: str, env: dict[str, str] | None = None) -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
+MEMORY_CHILD = """
+import json, sys, time
+sys.path.insert(0, {root!r})
+import torch, kvsnap.models.native, kvsnap.models.quantize  # imported before the first reading: not weights
+from kvsnap.models import load_model
+from kvsnap.models.quantize import weight_bytes
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+before, t0 = status("VmRSS"), time.perf_counter()
+lm = load_model({model!r}, **{options!r})
+seconds = time.perf_counter() - t0
+with torch.inference_mode():  # a forward reads every weight: a mapped float file is resident only then
+    lm.model(torch.tensor([[1, 2, 3, 4]]))
+print(json.dumps({{"rss": status("VmRSS") - before, "peak": status("VmHWM") - before, "load_s": seconds,
+                  "tensors": weight_bytes(lm.model)}}))
+"""
+
+
+def weights_memory(model: str, quantize: str, dtype: str | None = None) -> dict[str, float]:
+    """What ``model``'s weights cost on the CPU, measured in a fresh process so nothing else loaded
+    counts: "rss" (resident bytes they add), "peak" (the most resident while loading), "load_s" and
+    "tensors" (bytes the weight tensors hold). ``dtype`` None: the loader's default."""
+    options: dict[str, str] = {"device": "cpu", "quantize": quantize}
+    if dtype is not None:
+        options["dtype"] = dtype
+    root = str(Path(__file__).resolve().parent.parent)
+    return json.loads(run_child(MEMORY_CHILD.format(root=root, model=model, options=options)))
+
+
 def kept(session, method: str, *args):
     """Call ``session.method(*args)`` and return the session: a timed run that returns what it
     built is not charged for freeing it (the baselines keep theirs too)."""

@@ -28,39 +28,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import best_of, describe, document, machine, run_child, table, write_json  # noqa: E402
+from benchmarks.common import best_of, describe, document, machine, table, weights_memory, write_json  # noqa: E402
 from kvsnap.config import DEFAULT_MODEL, SamplingParams  # noqa: E402
 from kvsnap.engine.session import Session  # noqa: E402
 from kvsnap.models import load_model, resolve_model  # noqa: E402
 
 TEXT = Path(__file__).resolve().parent.parent / "examples" / "report.txt"
 SETTINGS = [f"{q}-{d}" for q in ("none", "int8", "int4") for d in ("float32", "bfloat16")]
-
-_MEMORY_CHILD = """
-import json, sys
-sys.path.insert(0, {root!r})
-import torch, kvsnap.models.native, kvsnap.models.quantize  # imported before the first reading: not weights
-from kvsnap.models import load_model
-from kvsnap.models.quantize import weight_bytes
-
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-
-before = status("VmRSS")
-lm = load_model({model!r}, device="cpu", dtype={dtype!r}, quantize={quantize!r})
-with torch.inference_mode():  # a forward reads every weight: a mapped float file is resident only then
-    lm.model(torch.tensor([[1, 2, 3, 4]]))
-print(json.dumps({{"rss": status("VmRSS") - before, "peak": status("VmHWM") - before,
-                  "tensors": weight_bytes(lm.model)}}))
-"""
-
-
-def memory(model: str, dtype: str, quantize: str) -> dict[str, int]:
-    root = str(Path(__file__).resolve().parent.parent)
-    code = _MEMORY_CHILD.format(root=root, model=model, dtype=dtype, quantize=quantize)
-    return json.loads(run_child(code))
 
 
 def gguf_bytes(model: str) -> int | None:
@@ -160,7 +134,7 @@ def main() -> None:
         rates = [decode_rate(lm, doc, args.new_tokens) for _ in range(args.repeats)]
         prefill_s, _ = best_of(args.repeats, lambda lm=lm: Session(lm).prefill(doc))
         share, first = agreement(lm, starts, wanted)
-        mem = memory(args.model, dtype, quantize)
+        mem = weights_memory(args.model, quantize, dtype)
         row = {
             "setting": setting,
             "quantization": lm.quantization,

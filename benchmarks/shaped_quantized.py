@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import describe, document, machine, run_child, table, write_json  # noqa: E402
+from benchmarks.common import describe, document, machine, table, weights_memory, write_json  # noqa: E402
 from benchmarks.shaped_model import SMALL_FILES  # noqa: E402
 
 # The published configs' shapes (RoPE as said above).
@@ -110,26 +110,6 @@ def build(shape: str, out: Path, tokenizer_from: Path, seed: int = 0) -> Path:
         if name != "config.json" and (tokenizer_from / name).is_file():
             shutil.copy2(tokenizer_from / name, out / name)
     return out
-
-
-_MEMORY_CHILD = """
-import json, sys
-sys.path.insert(0, {root!r})
-import torch, kvsnap.models.native, kvsnap.models.quantize
-from kvsnap.models import load_model
-
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-
-before, t0 = status("VmRSS"), __import__("time").perf_counter()
-lm = load_model({model!r}, device="cpu", quantize={quantize!r})
-seconds = __import__("time").perf_counter() - t0
-with torch.inference_mode():
-    lm.model(torch.tensor([[1, 2, 3, 4]]))
-print(json.dumps({{"rss": status("VmRSS") - before, "peak": status("VmHWM") - before, "load_s": seconds}}))
-"""
 
 
 def measure(lm, folder: Path, n: int, new_tokens: int, work: Path) -> dict:
@@ -225,10 +205,9 @@ def main() -> None:
         build(args.shape, folder, Path(resolve_model(args.tokenizer_from, install=True)))
         built_s = time.perf_counter() - t0
     folder_bytes = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-    root = str(Path(__file__).resolve().parent.parent)
     rows, cli = [], {}
     for quantize in args.quantize:
-        mem = json.loads(run_child(_MEMORY_CHILD.format(root=root, model=str(folder), quantize=quantize)))
+        mem = weights_memory(str(folder), quantize)
         lm = load_model(str(folder), device="cpu", quantize=quantize)
         assert lm.backend == "native" and lm.quantization == quantize, (lm.backend, lm.quantization)
         with tempfile.TemporaryDirectory(prefix="kvsnap-shaped-") as tmp:
