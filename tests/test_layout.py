@@ -55,8 +55,11 @@ MAY_IMPORT_TORCH = {
     "kvsnap.models.attention",
     "kvsnap.models.decode_step",
     "kvsnap.models.exact",
+    "kvsnap.models.fused",
     "kvsnap.models.native",
     "kvsnap.models.packing",
+    "kvsnap.models.qkernel",
+    "kvsnap.models.qstep",
     "kvsnap.models.quantize",
 }
 HEAVY = ("torch", "transformers", "safetensors.torch", "accelerate", "vllm")

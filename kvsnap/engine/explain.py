@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvsnap import hashing, prefix
+from kvsnap import hashing, prefix, quantization
 from kvsnap.config import DEFAULT_BLOCK_SIZE
 
 if TYPE_CHECKING:
@@ -141,7 +141,7 @@ def chain_mismatch(
         theirs_q, ours_q = known.get("quantization", "none"), ours.get("quantization", "none")
         if theirs_q != ours_q:
             differs += ("quantization",)
-            what.append(f"weights quantized {theirs_q}, not {ours_q} (--quantize)")
+            what.append(quantization.refusal(theirs_q, ours_q))
         detail = f"different {', '.join(what)}" if what else f"fingerprint {fingerprint[:12]}, this run {fp[:12]}"
         names = f": {model}, this run {running.model}" if running.model and running.model != model else ""
         return "model", f"made with another model ({detail}){names}", differs

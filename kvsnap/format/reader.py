@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
-from kvsnap import hashing
+from kvsnap import hashing, quantization
 from kvsnap.errors import ForeignSnapshotError, SnapshotError, one_line
 from kvsnap.format import codec as codecs
 from kvsnap.format import sealed
@@ -354,7 +354,7 @@ class Snapshot:
             theirs_q, ours_q = m.fingerprint_parts.get("quantization", "none"), ours.get("quantization", "none")
             if ours and theirs_q != ours_q:
                 differ.append("quantization")
-                what["quantization"] = f"weights quantized {theirs_q}, not {ours_q} (--quantize)"
+                what["quantization"] = quantization.refusal(theirs_q, ours_q)
             why = f"different {', '.join(what[k] for k in differ)}; " if differ else ""
             raise ForeignSnapshotError(
                 f"{self.path}: written for another model ({why}{m.model}, fingerprint {m.fingerprint[:12]}; "

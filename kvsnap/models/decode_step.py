@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvsnap.models import qstep
+
 ENABLED = os.environ.get("KVSNAP_DECODE_STEP", "1") != "0"
 
 
@@ -63,13 +65,25 @@ def norm(module: Any, x: torch.Tensor) -> torch.Tensor:
 def layer(block: Any, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, cache: Any) -> torch.Tensor:
     """One decoder layer on one token. x: [1, hidden]."""
     attn = block.self_attn
+    kernel_step = qstep.step_for(block, x, cache)  # every product on kvsnap's own kernel: two calls into it
+    if kernel_step is not None:
+        return qstep.run(kernel_step, attn, x, cos, sin_signed, cache)
     h = norm(block.input_layernorm, x)
     head_dim = attn.head_dim
-    q, k = attn.q_proj(h), attn.k_proj(h)  # [1, heads * head_dim], [1, kv_heads * head_dim]
-    heads, kv_heads = q.shape[-1] // head_dim, k.shape[-1] // head_dim
-    q = rotate(q, heads, cos, sin_signed)  # [heads, head_dim]
-    k = rotate(k, kv_heads, cos, sin_signed)
-    v = attn.v_proj(h)
+    qkv = attn.__dict__.get("qkv")  # the three projections as one quantized product (kvsnap.models.fused)
+    if qkv is not None:
+        q_width, kv_width, _ = qkv.widths
+        heads, kv_heads = q_width // head_dim, kv_width // head_dim
+        both = qkv(h)  # [1, (heads + 2 * kv_heads) * head_dim]
+        # q and k rotate as one [heads + kv_heads, head_dim] block: the rotation is per head.
+        qk = rotate(both[:, : q_width + kv_width], heads + kv_heads, cos, sin_signed)
+        q, k, v = qk[:heads], qk[heads:], both[:, q_width + kv_width :]
+    else:
+        q, k = attn.q_proj(h), attn.k_proj(h)  # [1, heads * head_dim], [1, kv_heads * head_dim]
+        heads, kv_heads = q.shape[-1] // head_dim, k.shape[-1] // head_dim
+        q = rotate(q, heads, cos, sin_signed)  # [heads, head_dim]
+        k = rotate(k, kv_heads, cos, sin_signed)
+        v = attn.v_proj(h)
     keys, values = cache.update(k.view(1, kv_heads, 1, head_dim), v.view(1, kv_heads, 1, head_dim), attn.index)
     out = F.scaled_dot_product_attention(
         q.view(1, heads, 1, head_dim), keys, values, scale=attn.scaling, enable_gqa=attn.groups > 1
@@ -77,6 +91,10 @@ def layer(block: Any, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tens
     x = x + attn.o_proj(out.reshape(1, heads * head_dim))
     mlp = block.mlp
     h = norm(block.post_attention_layernorm, x)
+    gate_up = mlp.__dict__.get("gate_up")
+    if gate_up is not None:
+        gate, up = gate_up(h).chunk(2, dim=-1)
+        return x + mlp.down_proj(F.silu(gate) * up)
     return x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
 
 

@@ -211,13 +211,16 @@ def load_model(
         raise ModelError(f"cannot place {spec} on {dev}: {str(exc).splitlines()[0] if str(exc) else exc}") from None
     mark("place")
     if quantization != "none":
+        from kvsnap.models.fused import fuse
         from kvsnap.models.quantize import apply
 
         apply(model, quantization, torch_dtype)
+        fuse(model)  # one product for q/k/v and for gate/up in a decode step
     mark("quantize")
     tokenizer = load_tokenizer(folder, plain=isinstance(model, native.NativeCausalLM) and config.model_type == "llama")
     mark("tokenizer")
-    parts = fingerprint_parts(folder, raw_config, layout.dtype, quantization)
+    # The quantized model's own name: which kernels ran it is part of what its KV is (kvsnap.models.quantize).
+    parts = fingerprint_parts(folder, raw_config, layout.dtype, getattr(model, "quantization", quantization))
     mark("fingerprint")
     eos = set(generation_eos(folder))
     for source in (getattr(model, "generation_config", None), config, tokenizer):

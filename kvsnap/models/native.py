@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvsnap.models import decode_step, packing
+from kvsnap.models import decode_step, packing, qstep
 from kvsnap.models import exact as invariant
 from kvsnap.models.native_config import FAMILY
 
@@ -195,6 +195,9 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, mask, cache) -> torch.Tensor:
         if mask is decode_step.STEP:
             return decode_step.layer(self, x, cos, sin, cache)
+        kernel = qstep.step_for(self, x, cache)  # a quantized layer on kvsnap's kernel, row by row
+        if kernel is not None:
+            return qstep.run(kernel, self.self_attn, x, cos, decode_step.signed_sin(sin), cache)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x), isinstance(mask, invariant.Plan))
 

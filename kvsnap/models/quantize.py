@@ -33,6 +33,7 @@ from torch import nn
 
 from kvsnap.errors import ConfigError
 from kvsnap.models import exact as invariant
+from kvsnap.models import qkernel
 
 MODES = ("none", "int8", "int4", "auto")
 GROUP_SIZE = 32  # GGUF's Q4 block; group 64 measured worse perplexity for a few % less memory
@@ -116,25 +117,62 @@ def int4_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.T
     return q.to(weight.device), pairs.transpose(0, 1).contiguous().to(weight.device)  # [N, K], [K/g, N, 2]
 
 
+def int4_pairs(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, d, mins)``: ``weight ~= q * d + mins`` per group of ``group`` inputs (GGUF's Q4_1), ``q`` in 0..15
+    int32 [N, K], ``d`` and ``mins`` float16 [N, K / group]: kvsnap's own kernel's layout
+    (``kvsnap.models.qkernel``). From a Q4_1 file's dequantized weights this finds the file's own codes."""
+    n, k = weight.shape
+    q = torch.empty(n, k, dtype=torch.int32)
+    d = torch.empty(n, k // group, dtype=torch.float16)
+    mins = torch.empty_like(d)
+    for start in range(0, n, ROWS_AT_ONCE):
+        grouped = weight[start : start + ROWS_AT_ONCE].detach().float().reshape(-1, k // group, group)
+        low, high = grouped.amin(dim=2), grouped.amax(dim=2)
+        scale = ((high - low) / 15).half().clamp(min=torch.finfo(torch.float16).tiny).float()
+        low = low.half()
+        codes = (grouped - low.float()[..., None]) / scale[..., None]
+        q[start : start + ROWS_AT_ONCE] = codes.round_().clamp_(0, 15).reshape(-1, k)
+        d[start : start + ROWS_AT_ONCE], mins[start : start + ROWS_AT_ONCE] = scale.half(), low
+    return q, d, mins
+
+
+def kernel_for(device: torch.device, in_features: int) -> bool:
+    """Whether a linear of this input width on ``device`` runs on kvsnap's own kernel (``qkernel``)."""
+    return device.type == "cpu" and in_features % qkernel.GROUP == 0 and qkernel.library() is not None
+
+
 class QuantizedLinear(nn.Module):
-    """A linear layer over int8 or int4 weights; ``forward(x, exact)`` as ``native.Linear``'s."""
+    """A linear layer over int8 or int4 weights; ``forward(x, exact)`` as ``native.Linear``'s.
+
+    ``kernel``: ``a8`` where kvsnap's own kernel runs it (activations quantized to 8 bits in groups, int4
+    as codes + float16 scale and min per group, int8 with a float32 scale per row), else ``bf16``
+    (torch's kernels over their own layouts, bfloat16 activations)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bits: int, group: int = GROUP_SIZE):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         if bits == 4 and self.in_features % group:
-            bits = 8  # the kernel takes whole groups only
+            bits = 8  # the kernels take whole groups only
         self.bits, self.group = bits, group
+        self.kernel = "a8" if kernel_for(weight.device, self.in_features) else "bf16"
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.q4 = None  # the GPU path's plain codes
         if bits == 8:
             q, scales = int8_rows(weight)
             self.register_buffer("qweight", q)
-            self.register_buffer("scales", scales.to(COMPUTE_DTYPE))
+            self.register_buffer("scales", scales if self.kernel == "a8" else scales.to(COMPUTE_DTYPE))
+            self.mins = None
+        elif self.kernel == "a8":
+            q, d, mins = int4_pairs(weight, group)
+            self.register_buffer("qweight", qkernel.pack_q4(q))
+            self.register_buffer("scales", d)
+            self.register_buffer("mins", mins)
         else:
             q, scales_and_zeros = int4_groups(weight, group)
             self.register_buffer("qweight", _pack_int4(q, weight.device))
             self.register_buffer("scales", scales_and_zeros.to(COMPUTE_DTYPE))
-            self.q4 = q.to(torch.uint8) if weight.device.type != "cpu" else None  # the GPU path's codes
+            self.mins = None
+            self.q4 = q.to(torch.uint8) if weight.device.type != "cpu" else None
 
     @classmethod
     def sharing(cls, embedding: QuantizedEmbedding) -> QuantizedLinear:
@@ -142,7 +180,8 @@ class QuantizedLinear(nn.Module):
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self.out_features, self.in_features = embedding.qweight.shape
-        self.bits, self.group, self.bias, self.q4 = 8, GROUP_SIZE, None, None
+        self.bits, self.group, self.bias, self.q4, self.mins = 8, GROUP_SIZE, None, None, None
+        self.kernel = embedding.kernel
         self.qweight, self.scales = embedding.qweight, embedding.scales  # plain attributes: one copy
         return self
 
@@ -153,13 +192,20 @@ class QuantizedLinear(nn.Module):
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        rows = x.reshape(-1, shape[-1]).to(COMPUTE_DTYPE)  # [M, K]
-        if rows.device.type != "cpu":
-            out = F.linear(rows, self.dequantized(COMPUTE_DTYPE))
-        elif self.bits == 8:
-            out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
+        if self.kernel == "a8":
+            rows = qkernel.rows_of(x)  # [M, K] float32
+            if self.bits == 8:
+                out = qkernel.matmul_q8(rows, self.qweight, self.scales)
+            else:
+                out = qkernel.matmul_q4(rows, self.qweight, self.scales, self.mins)
         else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.qweight, self.group, self.scales)
+            rows = x.reshape(-1, shape[-1]).to(COMPUTE_DTYPE)  # [M, K]
+            if rows.device.type != "cpu":
+                out = F.linear(rows, self.dequantized(COMPUTE_DTYPE))
+            elif self.bits == 8:
+                out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
+            else:
+                out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.qweight, self.group, self.scales)
         out = out.to(x.dtype).reshape(*shape[:-1], self.out_features)  # [..., N]
         return out if self.bias is None else out + self.bias.to(x.dtype)
 
@@ -167,13 +213,17 @@ class QuantizedLinear(nn.Module):
         """The weight these codes stand for, [N, K] (the GPU path; tests)."""
         if self.bits == 8:
             return (self.qweight.to(dtype) * self.scales.to(dtype)[:, None]).to(dtype)
+        if self.kernel == "a8":
+            d = self.scales.float().repeat_interleave(self.group, dim=1)
+            mins = self.mins.float().repeat_interleave(self.group, dim=1)
+            return (qkernel.unpack_q4(self.qweight).float() * d + mins).to(dtype)
         codes = self.q4 if self.q4 is not None else _unpack_int4(self)
         scales = self.scales[..., 0].t().repeat_interleave(self.group, dim=1).float()
         zeros = self.scales[..., 1].t().repeat_interleave(self.group, dim=1).float()
         return ((codes.float() - 8) * scales + zeros).to(dtype)
 
     def nbytes(self) -> int:
-        extra = [self.bias] if self.bias is not None else []
+        extra = [t for t in (self.bias, self.mins) if t is not None]
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, *extra))
 
 
@@ -198,8 +248,9 @@ class QuantizedEmbedding(nn.Module):
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
         super().__init__()
         q, scales = int8_rows(weight)
+        self.kernel = "a8" if kernel_for(weight.device, weight.shape[1]) else "bf16"  # as a tied lm_head's
         self.register_buffer("qweight", q)  # [vocab, hidden]
-        self.register_buffer("scales", scales.to(COMPUTE_DTYPE))  # [vocab]
+        self.register_buffer("scales", scales if self.kernel == "a8" else scales.to(COMPUTE_DTYPE))  # [vocab]
         self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -239,7 +290,9 @@ def apply(model: Any, mode: str, dtype: torch.dtype) -> None:
             # What stays float (norms) gets memory of its own: a view into a mapped weights file would keep
             # the whole mapping, and every page the quantization read, resident.
             tensor.data = tensor.data.to(dtype).clone()
-    model.quantization = mode
+    kernels = {m.kernel for m in model.modules() if isinstance(m, QuantizedLinear)}
+    # The fingerprint's name of it: torch's bfloat16 products keep the plain name, kvsnap's kernel adds its own.
+    model.quantization = f"{mode}-a8" if kernels == {"a8"} else mode if kernels == {"bf16"} else f"{mode}-mixed"
     return_freed_memory()
 
 

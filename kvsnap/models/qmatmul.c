@@ -1,0 +1,284 @@
+/* Quantized products for x86-64 CPUs with AVX2, FMA and F16C: weights in 4 or 8 bits, activations
+ * quantized to 8 bits in groups of 32 (what llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0 dot products do).
+ *
+ * Built at run time by kvsnap.models.kernels (cc -O3 -mavx2 -mfma -mf16c -fopenmp) and called through
+ * ctypes with the tensors' pointers. Every output element is one dot product computed by one thread in
+ * a fixed order, so a row's result does not depend on how many rows a call holds, on the thread count
+ * or on which thread ran it.
+ *
+ * Layouts (K: the input width, a multiple of 32; G = K / 32 groups):
+ *   activations  xq int8 [M, K], xd float [M, G] (scale), xs float [M, G] (scale * sum of the group's codes)
+ *   int4 weights codes uint8 [N, K / 2]: a group's 16 bytes hold its elements j (low nibble) and j + 16
+ *                (high nibble); d, m float16 [N, G]: w = d * code + m
+ *   int8 weights codes int8 [N, K], s float [N]: w = s * code
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define GROUP 32
+
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+/* One group of 32 floats to int8: scale = max|x| / 127, code = round(x / scale). */
+static inline void quantize_group(const float *src, int8_t *xq, float *xd, float *xs, int64_t r) {
+    float amax = 0.0f;
+    for (int i = 0; i < GROUP; i++) amax = fmaxf(amax, fabsf(src[i]));
+    const float d = amax / 127.0f;
+    const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+    int sum = 0;
+    for (int i = 0; i < GROUP; i++) {
+        const int q = (int)lrintf(src[i] * inv);
+        xq[r * GROUP + i] = (int8_t)q;
+        sum += q;
+    }
+    xd[r] = d;
+    xs[r] = d * (float)sum;
+}
+
+/* Quantize M rows of K floats in groups of 32 (quantize_group). */
+void kv_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs) {
+    const int64_t G = K / GROUP;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < M * G; r++) quantize_group(x + r * GROUP, xq, xd, xs, r);
+}
+
+static inline __m256i nibbles(const uint8_t *p) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)p);
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+/* out[m, n] = sum_k w[n, k] * x[m, k] over int4 weights. out: float [M, N]. */
+static inline float dot_q4(const int8_t *xq, const float *xd, const float *xs, const uint8_t *wrow,
+                           const uint16_t *drow, const uint16_t *mrow, int64_t G) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float extra0 = 0.0f, extra1 = 0.0f;
+    int64_t g = 0;
+    for (; g + 1 < G; g += 2) { /* two chains: the accumulations' latency overlaps */
+        const __m256i w0 = nibbles(wrow + g * (GROUP / 2)), w1 = nibbles(wrow + (g + 1) * (GROUP / 2));
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + g * GROUP));
+        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + (g + 1) * GROUP));
+        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(w0, x0), ones);
+        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(w1, x1), ones);
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(drow[g]) * xd[g]), _mm256_cvtepi32_ps(p0), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(drow[g + 1]) * xd[g + 1]), _mm256_cvtepi32_ps(p1), acc1);
+        extra0 += _cvtsh_ss(mrow[g]) * xs[g];
+        extra1 += _cvtsh_ss(mrow[g + 1]) * xs[g + 1];
+    }
+    for (; g < G; g++) {
+        const __m256i w0 = nibbles(wrow + g * (GROUP / 2));
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + g * GROUP));
+        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(w0, x0), ones);
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(drow[g]) * xd[g]), _mm256_cvtepi32_ps(p0), acc0);
+        extra0 += _cvtsh_ss(mrow[g]) * xs[g];
+    }
+    return hsum(_mm256_add_ps(acc0, acc1)) + (extra0 + extra1);
+}
+
+void kv_matmul_q4(const int8_t *xq, const float *xd, const float *xs, int64_t M, const uint8_t *codes,
+                  const uint16_t *d, const uint16_t *mins, int64_t N, int64_t K, float *out) {
+    const int64_t G = K / GROUP;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t m = 0; m < M; m++)
+            out[m * N + n] = dot_q4(xq + m * K, xd + m * G, xs + m * G, codes + n * (K / 2), d + n * G, mins + n * G, G);
+}
+
+/* out[m, n] = sum_k w[n, k] * x[m, k] over int8 weights (one scale per row). out: float [M, N]. */
+static inline float dot_q8(const int8_t *xq, const float *xd, const int8_t *wrow, int64_t G) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 1 < G; g += 2) {
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wrow + g * GROUP));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wrow + (g + 1) * GROUP));
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + g * GROUP));
+        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + (g + 1) * GROUP));
+        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0)), ones);
+        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1)), ones);
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(xd[g]), _mm256_cvtepi32_ps(p0), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(xd[g + 1]), _mm256_cvtepi32_ps(p1), acc1);
+    }
+    for (; g < G; g++) {
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wrow + g * GROUP));
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + g * GROUP));
+        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0)), ones);
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(xd[g]), _mm256_cvtepi32_ps(p0), acc0);
+    }
+    return hsum(_mm256_add_ps(acc0, acc1));
+}
+
+void kv_matmul_q8(const int8_t *xq, const float *xd, int64_t M, const int8_t *codes, const float *s, int64_t N,
+                  int64_t K, float *out) {
+    const int64_t G = K / GROUP;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t m = 0; m < M; m++) out[m * N + n] = dot_q8(xq + m * K, xd + m * G, codes + n * K, G) * s[n];
+}
+
+/* -- a layer's forward over M rows (kvsnap.models.qstep) ---------------------------------------------
+ * Every row is computed on its own, by the same code whatever M is: a token's KV and output do not depend
+ * on how many tokens a forward runs, or on the threads. */
+
+typedef struct {
+    int64_t bits;       /* 4 or 8 */
+    const void *codes;  /* int4: uint8 [N, K / 2]; int8: int8 [N, K] */
+    const void *scales; /* int4: float16 [N, G] (d); int8: float [N] */
+    const void *mins;   /* int4: float16 [N, G]; int8: unused */
+    const float *bias;  /* float [N], or NULL */
+    int64_t n, k;
+} kv_matrix;
+
+/* out[M, N] = x[M, K] W^T + bias, the activations quantized into xq [M, K], xd and xs [M, K / 32]. */
+static void product(const kv_matrix *w, const float *x, int64_t M, float *out, int8_t *xq, float *xd, float *xs) {
+    const int64_t G = w->k / GROUP;
+    kv_quantize_rows(x, M, w->k, xq, xd, xs);
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < w->n; n++) {
+        for (int64_t m = 0; m < M; m++) {
+            float v;
+            if (w->bits == 4)
+                v = dot_q4(xq + m * w->k, xd + m * G, xs + m * G, (const uint8_t *)w->codes + n * (w->k / 2),
+                           (const uint16_t *)w->scales + n * G, (const uint16_t *)w->mins + n * G, G);
+            else
+                v = dot_q8(xq + m * w->k, xd + m * G, (const int8_t *)w->codes + n * w->k, G) *
+                    ((const float *)w->scales)[n];
+            out[m * w->n + n] = w->bias ? v + w->bias[n] : v;
+        }
+    }
+}
+
+/* x * rsqrt(mean(x^2) + eps) * weight, per row of M. */
+static void rms_norm(const float *x, const float *weight, float eps, int64_t M, int64_t n, float *out) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * n;
+        float *o = out + m * n;
+        double sum = 0.0;
+        for (int64_t i = 0; i < n; i++) sum += (double)xr[i] * xr[i];
+        const float r = 1.0f / sqrtf((float)(sum / (double)n) + eps);
+        for (int64_t i = 0; i < n; i++) o[i] = xr[i] * r * weight[i];
+    }
+}
+
+/* exp for x <= 0 (softmax after subtracting the max), 8 lanes: 2^(x log2 e) split into 2^n 2^f, 2^f by a
+ * degree-6 polynomial (relative error ~2e-7, about expf's own rounding). */
+static inline __m256 exp_neg(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.6931471805599453f));
+    __m256 p = _mm256_set1_ps(1.3888949e-3f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(8.3333270e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(4.1666662e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.6666667e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float s = hsum(acc);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* The first half of a layer: out [M, q | k | v] of norm(x [M, hidden]), q and k rotated by each row's
+ * cos/sin [M, head_dim] (sin with its first half negated). h: [M, hidden] scratch. */
+void kv_layer_qkv(const float *x, int64_t M, const float *norm_w, float eps, int64_t hidden, const kv_matrix *qkv,
+                  const float *cos, const float *sin_signed, int64_t rotated_heads, int64_t head_dim, float *out,
+                  float *h, int8_t *xq, float *xd, float *xs) {
+    rms_norm(x, norm_w, eps, M, hidden, h);
+    product(qkv, h, M, out, xq, xd, xs);
+    const int64_t half = head_dim / 2;
+    for (int64_t m = 0; m < M; m++) {
+        const float *c = cos + m * head_dim, *s = sin_signed + m * head_dim;
+        for (int64_t hd = 0; hd < rotated_heads; hd++) {
+            float *v = out + m * qkv->n + hd * head_dim;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = v[i], b = v[i + half];
+                v[i] = a * c[i] + b * s[i];
+                v[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
+}
+
+/* The rest of a layer, x [M, hidden] updated in place. Row m (position length - M + m) attends to the
+ * cached positions 0..length - M + m; q: row m's at q + m * q_stride. keys/values: [kv_heads, positions,
+ * head_dim] with the given strides (in floats). Then the output projection and residual, the MLP's norm,
+ * gate/up ([gate | up]), silu(gate) * up, down and the residual. Scratch: attn [M, heads * head_dim],
+ * h [M, hidden], act [M, 2 * inter], xq/xd/xs for the widest input. */
+void kv_layer_rest(float *x, int64_t M, const float *q, int64_t q_stride, const float *keys, const float *values,
+                   int64_t head_stride, int64_t pos_stride, int64_t length, float scale, int64_t heads,
+                   int64_t kv_heads, int64_t head_dim, const kv_matrix *o, const float *norm_w, float eps,
+                   const kv_matrix *gate_up, const kv_matrix *down, float *attn, float *h, float *act, int8_t *xq,
+                   float *xd, float *xs) {
+    const int64_t groups = heads / kv_heads, hidden = o->n, inter = down->k;
+#pragma omp parallel
+    {
+        float *sc = (float *)malloc(sizeof(float) * (size_t)(length > 0 ? length : 1));
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < M * heads; task++) {
+            const int64_t m = task / heads, hq = task % heads, seen = length - M + m + 1;
+            const float *qh = q + m * q_stride + hq * head_dim;
+            const float *kh = keys + (hq / groups) * head_stride, *vh = values + (hq / groups) * head_stride;
+            float *oh = attn + m * heads * head_dim + hq * head_dim;
+            float top = -INFINITY;
+            for (int64_t l = 0; l < seen; l++) {
+                sc[l] = dot_f32(qh, kh + l * pos_stride, head_dim) * scale;
+                top = fmaxf(top, sc[l]);
+            }
+            __m256 total = _mm256_setzero_ps();
+            int64_t l = 0;
+            for (; l + 8 <= seen; l += 8) {
+                const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sc + l), _mm256_set1_ps(top)));
+                _mm256_storeu_ps(sc + l, e);
+                total = _mm256_add_ps(total, e);
+            }
+            float sum = hsum(total);
+            for (; l < seen; l++) {
+                sc[l] = expf(sc[l] - top);
+                sum += sc[l];
+            }
+            for (int64_t i = 0; i < head_dim; i++) oh[i] = 0.0f;
+            for (l = 0; l < seen; l++) {
+                const __m256 p = _mm256_set1_ps(sc[l]);
+                const float *vl = vh + l * pos_stride;
+                int64_t i = 0;
+                for (; i + 8 <= head_dim; i += 8)
+                    _mm256_storeu_ps(oh + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(vl + i), _mm256_loadu_ps(oh + i)));
+                for (; i < head_dim; i++) oh[i] += sc[l] * vl[i];
+            }
+            const float inv = 1.0f / sum;
+            for (int64_t i = 0; i < head_dim; i++) oh[i] *= inv;
+        }
+        free(sc);
+    }
+    product(o, attn, M, h, xq, xd, xs);
+    for (int64_t i = 0; i < M * hidden; i++) x[i] += h[i];
+    rms_norm(x, norm_w, eps, M, hidden, h);
+    product(gate_up, h, M, act, xq, xd, xs); /* [M, gate | up] */
+    for (int64_t m = 0; m < M; m++) {
+        float *a = act + m * 2 * inter;
+        for (int64_t i = 0; i < inter; i++) a[i] = a[i] / (1.0f + expf(-a[i])) * a[inter + i];
+        for (int64_t i = 0; i < inter; i++) act[m * inter + i] = a[i]; /* packed to [M, inter] in place */
+    }
+    product(down, act, M, h, xq, xd, xs);
+    for (int64_t i = 0; i < M * hidden; i++) x[i] += h[i];
+}
+
+int kv_abi_version(void) { return 3; }
