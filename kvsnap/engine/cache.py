@@ -51,6 +51,22 @@ class _Buffered:
         start = self.first_visible(length)
         return self.keys[:, :, start:], self.values[:, :, start:]
 
+    def extend(self, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``update`` without the copy: hold ``n`` more positions (their keys and values shaped as ``like``,
+        [B, H, n, D], are the caller's to write) and return every position's keys and values, views into
+        the buffers. For a forward that writes the new KV in place (``kvsnap.models.qstep``); a layer with
+        a window is never extended."""
+        if not self.is_initialized:
+            self.lazy_initialization(like, like)
+            self._kbuf = self._vbuf = None
+        length = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        need = length + n
+        if self._kbuf is None or need > self._kbuf.shape[-2] or not self._holds_keys():
+            self._grow(like, length, max(need, 2 * length, 256))
+        self.keys = self._kbuf[:, :, :need]
+        self.values = self._vbuf[:, :, :need]
+        return self.keys, self.values
+
     def first_visible(self, length: int) -> int:
         """The first position the next queries may see after ``length`` held ones: the oldest one the
         first query's window reaches (later queries' masks cut further). 0 for a full-attention layer."""

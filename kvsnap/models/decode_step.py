@@ -102,6 +102,9 @@ def hidden(decoder: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     """The decoder's final hidden state for one token. x: [1, 1, hidden] (embedded); cos, sin: [1, 1, 1, head_dim]."""
     cos, sin_signed = cos.view(-1), signed_sin(sin.view(-1))
     row = x.view(1, -1)
+    whole = qstep.run_layers(decoder, row, cos, sin_signed, cache)  # quantized on kvsnap's kernel: one call
+    if whole is not None:
+        return norm(decoder.norm, whole).view(x.shape)
     for block in decoder.layers:
         # Called as a module, with STEP where the mask goes: the layer's forward comes back to
         # ``layer``, and hooks on the layer fire as in any forward.

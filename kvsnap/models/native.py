@@ -230,6 +230,9 @@ class Decoder(nn.Module):
             seen = keys[None, :] <= torch.arange(past, past + q_len, device=input_ids.device)[:, None]
             mask = torch.zeros(seen.shape, dtype=x.dtype, device=x.device).masked_fill_(~seen, float("-inf"))
             mask = mask[None, None]
+        whole = qstep.run_layers(self, x, cos, decode_step.signed_sin(sin), cache) if cache is not None else None
+        if whole is not None:  # every layer quantized on kvsnap's kernel, row by row: one call for all of them
+            return self.norm(whole)
         for layer in self.layers:
             x = layer(x, cos, sin, mask, cache)
         return self.norm(x)

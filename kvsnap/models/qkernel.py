@@ -37,7 +37,7 @@ from kvsnap.models.catalog import kvsnap_home
 SOURCE = Path(__file__).with_name("qmatmul.c")
 GROUP = 32
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11")
-ABI_VERSION = 3
+ABI_VERSION = 6
 _lock = threading.Lock()
 _reason: list[str] = []  # why the kernels are not available (set once, by ``library``)
 
@@ -110,12 +110,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kv_matmul_q4.restype = None
     lib.kv_matmul_q8.argtypes = [p, p, i64, p, p, i64, i64, p]
     lib.kv_matmul_q8.restype = None
-    f, m = ctypes.c_float, p  # kv_matrix arguments go by reference (qstep.Matrix)
-    lib.kv_layer_qkv.argtypes = [p, i64, p, f, i64, m, p, p, i64, i64, p, p, p, p, p]
-    lib.kv_layer_qkv.restype = None
-    rest = [p, i64, p, i64, p, p, i64, i64, i64, f, i64, i64, i64, m, p, f, m, m, p, p, p, p, p, p]
-    lib.kv_layer_rest.argtypes = rest
-    lib.kv_layer_rest.restype = None
+    lib.kv_layer_qkv.argtypes = lib.kv_layer_rest.argtypes = [p, p]  # kv_layer, kv_call (kvsnap.models.qstep)
+    lib.kv_layer_qkv.restype = lib.kv_layer_rest.restype = None
     return lib
 
 

@@ -56,32 +56,42 @@ static inline __m256i nibbles(const uint8_t *p) {
     return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
 }
 
-/* out[m, n] = sum_k w[n, k] * x[m, k] over int4 weights. out: float [M, N]. */
+/* One int4 weight row by one quantized activation row: sum over groups of d * xd * (codes . xq) + m * xs.
+ * The per-group scales d * xd and the min term are formed 8 groups at a time first, so the main loop is
+ * integer products and one multiply-add a group. */
 static inline float dot_q4(const int8_t *xq, const float *xd, const float *xs, const uint8_t *wrow,
                            const uint16_t *drow, const uint16_t *mrow, int64_t G) {
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    float extra0 = 0.0f, extra1 = 0.0f;
+    float sc[G];
+    __m256 ex = _mm256_setzero_ps();
     int64_t g = 0;
-    for (; g + 1 < G; g += 2) { /* two chains: the accumulations' latency overlaps */
-        const __m256i w0 = nibbles(wrow + g * (GROUP / 2)), w1 = nibbles(wrow + (g + 1) * (GROUP / 2));
-        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + g * GROUP));
-        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + (g + 1) * GROUP));
-        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(w0, x0), ones);
-        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(w1, x1), ones);
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(drow[g]) * xd[g]), _mm256_cvtepi32_ps(p0), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(drow[g + 1]) * xd[g + 1]), _mm256_cvtepi32_ps(p1), acc1);
-        extra0 += _cvtsh_ss(mrow[g]) * xs[g];
-        extra1 += _cvtsh_ss(mrow[g + 1]) * xs[g + 1];
+    for (; g + 8 <= G; g += 8) {
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(drow + g)));
+        const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mrow + g)));
+        _mm256_storeu_ps(sc + g, _mm256_mul_ps(d8, _mm256_loadu_ps(xd + g)));
+        ex = _mm256_fmadd_ps(m8, _mm256_loadu_ps(xs + g), ex);
+    }
+    float extra = hsum(ex);
+    for (; g < G; g++) {
+        sc[g] = _cvtsh_ss(drow[g]) * xd[g];
+        extra += _cvtsh_ss(mrow[g]) * xs[g];
+    }
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (g = 0; g + 3 < G; g += 4) { /* four chains: the accumulations' latency overlaps */
+        for (int j = 0; j < 4; j++) {
+            const __m256i w = nibbles(wrow + (g + j) * (GROUP / 2));
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + (g + j) * GROUP));
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+            acc[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + g + j), _mm256_cvtepi32_ps(p), acc[j]);
+        }
     }
     for (; g < G; g++) {
-        const __m256i w0 = nibbles(wrow + g * (GROUP / 2));
-        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + g * GROUP));
-        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(w0, x0), ones);
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(drow[g]) * xd[g]), _mm256_cvtepi32_ps(p0), acc0);
-        extra0 += _cvtsh_ss(mrow[g]) * xs[g];
+        const __m256i w = nibbles(wrow + g * (GROUP / 2));
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + g * GROUP));
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+        acc[0] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + g), _mm256_cvtepi32_ps(p), acc[0]);
     }
-    return hsum(_mm256_add_ps(acc0, acc1)) + (extra0 + extra1);
+    return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]))) + extra;
 }
 
 void kv_matmul_q4(const int8_t *xq, const float *xd, const float *xs, int64_t M, const uint8_t *codes,
@@ -138,11 +148,38 @@ typedef struct {
     int64_t n, k;
 } kv_matrix;
 
-/* out[M, N] = x[M, K] W^T + bias, the activations quantized into xq [M, K], xd and xs [M, K / 32]. */
-static void product(const kv_matrix *w, const float *x, int64_t M, float *out, int8_t *xq, float *xd, float *xs) {
+/* What a layer's forward takes that does not change from call to call. */
+typedef struct {
+    kv_matrix qkv, o, gate_up, down;
+    const float *norm_in, *norm_post; /* the two norms' weights, float [hidden] */
+    float eps_in, eps_post, scale;    /* the norms' eps, the attention's scale */
+    int64_t hidden, inter, heads, kv_heads, head_dim;
+} kv_layer;
+
+/* One call's rows, cache and scratch. x [M, hidden] is updated in place; qkv [M, q | k | v] is written by
+ * kv_layer_qkv (which also writes k and v into the cache) and read by kv_layer_rest; keys/values: [kv_heads, positions, head_dim] with the given
+ * strides (in floats), `length` positions once this call's are in. Scratch: h [M, max(hidden, inter)],
+ * attn [M, heads * head_dim], act [M, 2 * inter], xq/xd/xs for M rows of the widest input. */
+typedef struct {
+    float *x;
+    int64_t m;
+    const float *cos, *sin_signed; /* [M, head_dim] each; sin with its first half negated */
+    float *qkv;
+    float *keys, *values; /* the new rows' k and v are written at positions length - M .. length - 1 */
+    int64_t head_stride, pos_stride, length;
+    float *h, *attn, *act;
+    int8_t *xq;
+    float *xd, *xs;
+} kv_call;
+
+/* out[M, N] = x[M, K] W^T + bias (x's rows ldx floats apart), the activations quantized into xq [M, K], xd
+ * and xs [M, K / 32]. Called by every thread of a parallel region: the work is shared with `omp for`. */
+static void product_team(const kv_matrix *w, const float *x, int64_t ldx, int64_t M, float *out, int8_t *xq, float *xd,
+                         float *xs) {
     const int64_t G = w->k / GROUP;
-    kv_quantize_rows(x, M, w->k, xq, xd, xs);
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < M * G; r++) quantize_group(x + (r / G) * ldx + (r % G) * GROUP, xq, xd, xs, r);
+#pragma omp for schedule(static)
     for (int64_t n = 0; n < w->n; n++) {
         for (int64_t m = 0; m < M; m++) {
             float v;
@@ -158,7 +195,8 @@ static void product(const kv_matrix *w, const float *x, int64_t M, float *out, i
 }
 
 /* x * rsqrt(mean(x^2) + eps) * weight, per row of M. */
-static void rms_norm(const float *x, const float *weight, float eps, int64_t M, int64_t n, float *out) {
+static void rms_norm_team(const float *x, const float *weight, float eps, int64_t M, int64_t n, float *out) {
+#pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) {
         const float *xr = x + m * n;
         float *o = out + m * n;
@@ -187,6 +225,27 @@ static inline __m256 exp_neg(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+/* Eight dot products of q with the rows k, k + stride, ..., k + 7 * stride (d a multiple of 8). */
+static inline __m256 dots8(const float *q, const float *k, int64_t stride, int64_t d) {
+    __m256 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * stride + i), a[j]);
+    }
+    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+static inline float hmax(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
 static inline float dot_f32(const float *a, const float *b, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
@@ -198,20 +257,33 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
 
 /* The first half of a layer: out [M, q | k | v] of norm(x [M, hidden]), q and k rotated by each row's
  * cos/sin [M, head_dim] (sin with its first half negated). h: [M, hidden] scratch. */
-void kv_layer_qkv(const float *x, int64_t M, const float *norm_w, float eps, int64_t hidden, const kv_matrix *qkv,
-                  const float *cos, const float *sin_signed, int64_t rotated_heads, int64_t head_dim, float *out,
-                  float *h, int8_t *xq, float *xd, float *xs) {
-    rms_norm(x, norm_w, eps, M, hidden, h);
-    product(qkv, h, M, out, xq, xd, xs);
-    const int64_t half = head_dim / 2;
-    for (int64_t m = 0; m < M; m++) {
-        const float *c = cos + m * head_dim, *s = sin_signed + m * head_dim;
-        for (int64_t hd = 0; hd < rotated_heads; hd++) {
-            float *v = out + m * qkv->n + hd * head_dim;
+void kv_layer_qkv(const kv_layer *layer, const kv_call *c) {
+    const int64_t M = c->m, head_dim = layer->head_dim, rotated_heads = layer->heads + layer->kv_heads;
+    const int64_t half = head_dim / 2, width = layer->qkv.n;
+    float *out = c->qkv;
+#pragma omp parallel
+    {
+        rms_norm_team(c->x, layer->norm_in, layer->eps_in, M, layer->hidden, c->h);
+        product_team(&layer->qkv, c->h, layer->hidden, M, out, c->xq, c->xd, c->xs);
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < M * rotated_heads; task++) {
+            const int64_t m = task / rotated_heads, hd = task % rotated_heads;
+            const float *cs = c->cos + m * head_dim, *sn = c->sin_signed + m * head_dim;
+            float *v = out + m * width + hd * head_dim;
             for (int64_t i = 0; i < half; i++) {
                 const float a = v[i], b = v[i + half];
-                v[i] = a * c[i] + b * s[i];
-                v[i + half] = b * c[i + half] + a * s[i + half];
+                v[i] = a * cs[i] + b * sn[i];
+                v[i + half] = b * cs[i + half] + a * sn[i + half];
+            }
+        }
+        const int64_t kv_heads = layer->kv_heads, q_width = layer->heads * head_dim, kv_width = kv_heads * head_dim;
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < M * kv_heads; task++) { /* this call's k and v into the cache */
+            const int64_t m = task / kv_heads, hd = task % kv_heads, at = hd * c->head_stride + (c->length - M + m) * c->pos_stride;
+            const float *row = out + m * width + q_width + hd * head_dim;
+            for (int64_t i = 0; i < head_dim; i++) {
+                c->keys[at + i] = row[i];
+                c->values[at + i] = row[kv_width + i];
             }
         }
     }
@@ -222,12 +294,14 @@ void kv_layer_qkv(const float *x, int64_t M, const float *norm_w, float eps, int
  * head_dim] with the given strides (in floats). Then the output projection and residual, the MLP's norm,
  * gate/up ([gate | up]), silu(gate) * up, down and the residual. Scratch: attn [M, heads * head_dim],
  * h [M, hidden], act [M, 2 * inter], xq/xd/xs for the widest input. */
-void kv_layer_rest(float *x, int64_t M, const float *q, int64_t q_stride, const float *keys, const float *values,
-                   int64_t head_stride, int64_t pos_stride, int64_t length, float scale, int64_t heads,
-                   int64_t kv_heads, int64_t head_dim, const kv_matrix *o, const float *norm_w, float eps,
-                   const kv_matrix *gate_up, const kv_matrix *down, float *attn, float *h, float *act, int8_t *xq,
-                   float *xd, float *xs) {
-    const int64_t groups = heads / kv_heads, hidden = o->n, inter = down->k;
+void kv_layer_rest(const kv_layer *layer, const kv_call *c) {
+    const int64_t M = c->m, heads = layer->heads, kv_heads = layer->kv_heads, head_dim = layer->head_dim;
+    const int64_t groups = heads / kv_heads, hidden = layer->hidden, inter = layer->inter, length = c->length;
+    const int64_t q_stride = layer->qkv.n, head_stride = c->head_stride, pos_stride = c->pos_stride;
+    const float scale = layer->scale, *q = c->qkv, *keys = c->keys, *values = c->values;
+    float *x = c->x, *attn = c->attn, *h = c->h, *act = c->act, *xd = c->xd, *xs = c->xs;
+    int8_t *xq = c->xq;
+    const kv_matrix *o = &layer->o, *gate_up = &layer->gate_up, *down = &layer->down;
 #pragma omp parallel
     {
         float *sc = (float *)malloc(sizeof(float) * (size_t)(length > 0 ? length : 1));
@@ -237,14 +311,20 @@ void kv_layer_rest(float *x, int64_t M, const float *q, int64_t q_stride, const 
             const float *qh = q + m * q_stride + hq * head_dim;
             const float *kh = keys + (hq / groups) * head_stride, *vh = values + (hq / groups) * head_stride;
             float *oh = attn + m * heads * head_dim + hq * head_dim;
-            float top = -INFINITY;
-            for (int64_t l = 0; l < seen; l++) {
+            int64_t l = 0;
+            __m256 top8 = _mm256_set1_ps(-INFINITY);
+            for (; l + 8 <= seen; l += 8) {
+                const __m256 s8 = _mm256_mul_ps(dots8(qh, kh + l * pos_stride, pos_stride, head_dim), _mm256_set1_ps(scale));
+                _mm256_storeu_ps(sc + l, s8);
+                top8 = _mm256_max_ps(top8, s8);
+            }
+            float top = hmax(top8);
+            for (; l < seen; l++) {
                 sc[l] = dot_f32(qh, kh + l * pos_stride, head_dim) * scale;
                 top = fmaxf(top, sc[l]);
             }
             __m256 total = _mm256_setzero_ps();
-            int64_t l = 0;
-            for (; l + 8 <= seen; l += 8) {
+            for (l = 0; l + 8 <= seen; l += 8) {
                 const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sc + l), _mm256_set1_ps(top)));
                 _mm256_storeu_ps(sc + l, e);
                 total = _mm256_add_ps(total, e);
@@ -254,31 +334,47 @@ void kv_layer_rest(float *x, int64_t M, const float *q, int64_t q_stride, const 
                 sc[l] = expf(sc[l] - top);
                 sum += sc[l];
             }
-            for (int64_t i = 0; i < head_dim; i++) oh[i] = 0.0f;
-            for (l = 0; l < seen; l++) {
-                const __m256 p = _mm256_set1_ps(sc[l]);
-                const float *vl = vh + l * pos_stride;
-                int64_t i = 0;
-                for (; i + 8 <= head_dim; i += 8)
-                    _mm256_storeu_ps(oh + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(vl + i), _mm256_loadu_ps(oh + i)));
-                for (; i < head_dim; i++) oh[i] += sc[l] * vl[i];
+            const __m256 inv = _mm256_set1_ps(1.0f / sum);
+            for (int64_t i0 = 0; i0 < head_dim; i0 += 32) { /* 32 outputs at a time, in registers */
+                const int64_t width = head_dim - i0 < 32 ? (head_dim - i0) / 8 : 4;
+                __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+                for (l = 0; l < seen; l++) {
+                    const __m256 p = _mm256_broadcast_ss(sc + l);
+                    const float *vl = vh + l * pos_stride + i0;
+                    for (int64_t j = 0; j < width; j++) acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vl + 8 * j), acc[j]);
+                }
+                for (int64_t j = 0; j < width; j++) _mm256_storeu_ps(oh + i0 + 8 * j, _mm256_mul_ps(acc[j], inv));
             }
-            const float inv = 1.0f / sum;
-            for (int64_t i = 0; i < head_dim; i++) oh[i] *= inv;
         }
         free(sc);
+        product_team(o, attn, heads * head_dim, M, h, xq, xd, xs);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < M * hidden; i++) x[i] += h[i];
+        rms_norm_team(x, layer->norm_post, layer->eps_post, M, hidden, h);
+        product_team(gate_up, h, hidden, M, act, xq, xd, xs); /* [M, gate | up] */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < M * inter; r++) { /* silu(gate) * up, into the gate's place */
+            float *a = act + (r / inter) * 2 * inter + r % inter;
+            *a = *a / (1.0f + expf(-*a)) * a[inter];
+        }
+        product_team(down, act, 2 * inter, M, h, xq, xd, xs);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < M * hidden; i++) x[i] += h[i];
     }
-    product(o, attn, M, h, xq, xd, xs);
-    for (int64_t i = 0; i < M * hidden; i++) x[i] += h[i];
-    rms_norm(x, norm_w, eps, M, hidden, h);
-    product(gate_up, h, M, act, xq, xd, xs); /* [M, gate | up] */
-    for (int64_t m = 0; m < M; m++) {
-        float *a = act + m * 2 * inter;
-        for (int64_t i = 0; i < inter; i++) a[i] = a[i] / (1.0f + expf(-a[i])) * a[inter + i];
-        for (int64_t i = 0; i < inter; i++) act[m * inter + i] = a[i]; /* packed to [M, inter] in place */
-    }
-    product(down, act, M, h, xq, xd, xs);
-    for (int64_t i = 0; i < M * hidden; i++) x[i] += h[i];
 }
 
-int kv_abi_version(void) { return 3; }
+/* A decode step or chunk through every layer: layer l's cache at keys[l], values[l], its head and position
+ * strides at strides[2 l], strides[2 l + 1]. */
+void kv_layers(int64_t n_layers, const kv_layer *layers, kv_call *c, float *const *keys, float *const *values,
+               const int64_t *strides) {
+    for (int64_t l = 0; l < n_layers; l++) {
+        c->keys = keys[l];
+        c->values = values[l];
+        c->head_stride = strides[2 * l];
+        c->pos_stride = strides[2 * l + 1];
+        kv_layer_qkv(&layers[l], c);
+        kv_layer_rest(&layers[l], c);
+    }
+}
+
+int kv_abi_version(void) { return 6; }

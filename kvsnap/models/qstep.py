@@ -19,6 +19,7 @@ while every product of the layer is one of kvsnap's kernel; anything else takes 
 from __future__ import annotations
 
 import ctypes
+import operator
 import threading
 from typing import Any
 
@@ -44,6 +45,34 @@ class Matrix(ctypes.Structure):
     ]
 
 
+class Layer(ctypes.Structure):
+    """``kv_layer``: what a layer's forward passes that does not change from call to call."""
+
+    _fields_ = [
+        *[(name, Matrix) for name in ("qkv", "o", "gate_up", "down")],
+        ("norm_in", ctypes.c_void_p),
+        ("norm_post", ctypes.c_void_p),
+        *[(name, ctypes.c_float) for name in ("eps_in", "eps_post", "scale")],
+        *[(name, ctypes.c_int64) for name in ("hidden", "inter", "heads", "kv_heads", "head_dim")],
+    ]
+
+
+class Call(ctypes.Structure):
+    """``kv_call``: one call's rows, cache and scratch, by address."""
+
+    _fields_ = [
+        ("x", ctypes.c_void_p),
+        ("m", ctypes.c_int64),
+        ("cos", ctypes.c_void_p),
+        ("sin_signed", ctypes.c_void_p),
+        ("qkv", ctypes.c_void_p),
+        ("keys", ctypes.c_void_p),
+        ("values", ctypes.c_void_p),
+        *[(name, ctypes.c_int64) for name in ("head_stride", "pos_stride", "length")],
+        *[(name, ctypes.c_void_p) for name in ("h", "attn", "act", "xq", "xd", "xs")],
+    ]
+
+
 def _matrix(linear: QuantizedLinear, keep: list[torch.Tensor]) -> Matrix:
     bias = None
     if linear.bias is not None:
@@ -56,53 +85,64 @@ def _matrix(linear: QuantizedLinear, keep: list[torch.Tensor]) -> Matrix:
     )  # fmt: skip
 
 
-def _watch(block: Any) -> list[tuple[dict, str, Any, int | None]]:
-    """Where each module and tensor of the layer's kernel forward hangs (its dict, its key), what hangs there
-    and the tensor's in-place version: anything replaced or written since shows as a change, at the cost
-    of a dict lookup per entry (module attribute access costs ~1.6 us a name on the 2-core VM)."""
+def _places(block: Any) -> list[tuple[dict, str]]:
+    """Where each module and tensor of the layer's kernel forward hangs: its dict and its key."""
     attn, mlp = block.self_attn, block.mlp
-    watch: list[tuple[dict, str, Any, int | None]] = [(attn.__dict__, n, attn.__dict__[n], None) for n in ("qkv",)]
-    watch.append((mlp.__dict__, "gate_up", mlp.__dict__["gate_up"], None))
-    for owner, names in ((block, ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")),
-                         (attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (mlp, ("gate_proj", "up_proj", "down_proj"))):  # fmt: skip
-        watch += [(owner._modules, n, owner._modules[n], None) for n in names]
-    for norm in (block.input_layernorm, block.post_attention_layernorm):
-        watch.append((norm._parameters, "weight", norm.weight, norm.weight._version))
+    places = [(attn.__dict__, "qkv"), (mlp.__dict__, "gate_up")]
+    for owner, names in (
+        (block, ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")),
+        (attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+        (mlp, ("gate_proj", "up_proj", "down_proj")),
+    ):
+        places += [(owner._modules, n) for n in names]
+    places += [(norm._parameters, "weight") for norm in (block.input_layernorm, block.post_attention_layernorm)]
     for linear in (*attn.__dict__["qkv"].parts, attn.o_proj, *mlp.__dict__["gate_up"].parts, mlp.down_proj):
         for table in (linear._buffers, linear._parameters, linear.__dict__):
-            watch += [(table, n, table[n], table[n]._version) for n in ("qweight", "scales", "mins", "bias")
-                      if isinstance(table.get(n), torch.Tensor)]  # fmt: skip
-    return watch
+            places += [
+                (table, n) for n in ("qweight", "scales", "mins", "bias") if isinstance(table.get(n), torch.Tensor)
+            ]
+    return places
 
 
 class LayerStep:
-    """The addresses and shapes a layer's kernel forward passes to the kernels, taken once from its modules
-    (which it holds, with its tensors, so no address it passes can be freed under it)."""
+    """The addresses and shapes a layer's kernel forward passes to the kernels, taken once from its modules.
+
+    It holds what it points into (the modules' tensors, copies it made), so no address it passes can be
+    freed under it; ``fresh`` says whether every module and tensor is still the one it took, unwritten since
+    (module attribute access costs ~1.6 us a name on the 2-core VM: the check reads the dicts directly)."""
 
     def __init__(self, block: Any):
         attn, mlp = block.self_attn, block.mlp
         qkv, gate_up = attn.__dict__["qkv"], mlp.__dict__["gate_up"]
         qkv.refresh()
         gate_up.refresh()
-        self.watch = _watch(block)
-        self.keep: list[torch.Tensor] = []
-        self.qkv = _matrix(qkv.whole[0], self.keep)
-        self.o = _matrix(attn.o_proj, self.keep)
-        self.gate_up = _matrix(gate_up.whole[0], self.keep)
-        self.down = _matrix(mlp.down_proj, self.keep)
-        norms = (block.input_layernorm, block.post_attention_layernorm)
-        self.norms = [n.weight.detach().float().contiguous() for n in norms]
-        self.eps = (float(norms[0].eps), float(norms[1].eps))
-        self.head_dim = attn.head_dim
+        self.places = _places(block)
+        self.held = [table[name] for table, name in self.places]
+        self.tensors = [t for t in self.held if isinstance(t, torch.Tensor)]
+        self.versions = [t._version for t in self.tensors]
+        self.keep: list[torch.Tensor] = [t for f in (qkv, gate_up) for t in (f.whole[0].qweight, f.whole[0].scales)]
+        norms = [
+            n.weight.detach().float().contiguous() for n in (block.input_layernorm, block.post_attention_layernorm)
+        ]
+        self.keep += norms
+        head_dim = attn.head_dim
         self.widths = qkv.widths  # q, k, v
-        self.hidden, self.inter = attn.o_proj.out_features, mlp.down_proj.in_features
+        self.layer = Layer(
+            _matrix(qkv.whole[0], self.keep), _matrix(attn.o_proj, self.keep),
+            _matrix(gate_up.whole[0], self.keep), _matrix(mlp.down_proj, self.keep),
+            norms[0].data_ptr(), norms[1].data_ptr(),
+            float(block.input_layernorm.eps), float(block.post_attention_layernorm.eps), float(attn.scaling),
+            attn.o_proj.out_features, mlp.down_proj.in_features,
+            self.widths[0] // head_dim, self.widths[1] // head_dim, head_dim,
+        )  # fmt: skip
         self.fused = (qkv, gate_up)
+        self.like = torch.empty(1, self.widths[1] // head_dim, 0, head_dim)  # the cache's new rows, for its shape
 
     def fresh(self) -> bool:
-        for table, name, held, version in self.watch:
-            if table.get(name) is not held or (version is not None and held._version != version):
-                return False
-        return True
+        return (
+            all(map(operator.is_, [table.get(name) for table, name in self.places], self.held))
+            and [t._version for t in self.tensors] == self.versions
+        )
 
 
 def step_for(block: Any, x: torch.Tensor, cache: Any) -> LayerStep | None:
@@ -124,25 +164,49 @@ def step_for(block: Any, x: torch.Tensor, cache: Any) -> LayerStep | None:
 def _kernel_layer(block: Any) -> bool:
     attn, mlp = block.self_attn, block.mlp
     fused = attn.__dict__.get("qkv"), mlp.__dict__.get("gate_up")
-    if any(f is None or f.whole[0].kernel != "a8" for f in fused):
-        return False
+    if any(f is None or f.whole[0].kernel != "a8" for f in fused) or attn.head_dim % 8:
+        return False  # the attention reads heads 8 floats at a time
     return all(isinstance(m, QuantizedLinear) and m.kernel == "a8" for m in (attn.o_proj, mlp.down_proj)) and all(
         n.weight.dtype == torch.float32 for n in (block.input_layernorm, block.post_attention_layernorm)
     )
 
 
-def _buffers(size: dict[str, int]) -> dict[str, torch.Tensor]:
-    """This thread's scratch tensors, at least ``size`` elements each (the scores grow with the context,
-    so they are made twice as large as asked)."""
+def _scratch_for(step: LayerStep, m: int) -> Call:
+    """This thread's call, its scratch large enough for ``m`` rows (made anew, twice as large, when not)."""
+    layer = step.layer
+    widest = max(layer.hidden, layer.inter, step.widths[0])
+    size = {
+        "qkv": m * sum(step.widths), "h": m * max(layer.hidden, layer.inter), "attn": m * step.widths[0],
+        "act": m * 2 * layer.inter, "xq": m * widest, "xd": m * widest // qkernel.GROUP,
+        "xs": m * widest // qkernel.GROUP,
+    }  # fmt: skip
     held = getattr(_scratch, "held", None)
-    if held is None:
-        held = _scratch.held = {}
-    for name, n in size.items():
-        if name not in held or held[name].numel() < n:
-            held[name] = torch.empty(
-                2 * n if name == "scores" else n, dtype=torch.int8 if name == "xq" else torch.float32
-            )
-    return held
+    if held is None or any(held[name].numel() < n for name, n in size.items()):
+        held = _scratch.held = {
+            name: torch.empty(2 * n, dtype=torch.int8 if name == "xq" else torch.float32) for name, n in size.items()
+        }
+        call = _scratch.call = Call()
+        for name in ("qkv", "h", "attn", "act", "xq", "xd", "xs"):
+            setattr(call, name, held[name].data_ptr())
+    return _scratch.call
+
+
+def _rows(step: LayerStep, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor):
+    d = step.layer.head_dim
+    rows = x.reshape(-1, step.layer.hidden).clone()  # updated in place by the kernels
+    m = rows.shape[0]
+    if cos.numel() != m * d:
+        cos, sin_signed = cos.reshape(-1, d).expand(m, d), sin_signed.reshape(-1, d).expand(m, d)
+    return rows, cos.contiguous(), sin_signed.contiguous()
+
+
+def _extend(step: LayerStep, cache_layer: Any, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's cache with room for ``m`` more positions, as [1, kv_heads, length, head_dim] views the
+    kernel writes the new rows' k and v into."""
+    keys, values = cache_layer.extend(m, step.like)
+    if keys.stride(3) != 1 or values.stride() != keys.stride() or keys.dtype != torch.float32:
+        raise RuntimeError("a cache buffer the kernel cannot write")  # the buffers are the cache's own: never
+    return keys, values
 
 
 def run(
@@ -151,34 +215,76 @@ def run(
     """The layer over M new rows: x [..., M, hidden] float32 (one sequence); cos and sin_signed [M, head_dim]
     or [head_dim] for every row. Returns the layer's output, shaped as x."""
     lib = qkernel.library()
-    q_width, kv_width, _ = step.widths
-    d = step.head_dim
-    heads, kv_heads = q_width // d, kv_width // d
-    rows = x.reshape(-1, step.hidden).clone()  # updated in place by the second call
+    rows, cos, sin_signed = _rows(step, x, cos, sin_signed)
     m = rows.shape[0]
-    cos = cos.reshape(-1, d).expand(m, d).contiguous()
-    sin_signed = sin_signed.reshape(-1, d).expand(m, d).contiguous()
-    widest = max(step.hidden, step.inter, q_width)
-    held = _buffers({
-        "qkv": m * sum(step.widths), "h": m * step.hidden, "attn": m * q_width, "act": m * 2 * step.inter,
-        "xq": m * widest, "xd": m * widest // qkernel.GROUP, "xs": m * widest // qkernel.GROUP,
-    })  # fmt: skip
-    h, xq, xd, xs = held["h"], held["xq"], held["xd"], held["xs"]
-    qkv = held["qkv"][: m * sum(step.widths)].view(m, sum(step.widths))
-    lib.kv_layer_qkv(
-        rows.data_ptr(), m, step.norms[0].data_ptr(), ctypes.c_float(step.eps[0]), step.hidden,
-        ctypes.byref(step.qkv), cos.data_ptr(), sin_signed.data_ptr(), heads + kv_heads, d, qkv.data_ptr(),
-        h.data_ptr(), xq.data_ptr(), xd.data_ptr(), xs.data_ptr(),
-    )  # fmt: skip
-    k = qkv[:, q_width : q_width + kv_width].view(m, kv_heads, d).transpose(0, 1).unsqueeze(0)  # [1, kv, m, d]
-    v = qkv[:, q_width + kv_width :].view(m, kv_heads, d).transpose(0, 1).unsqueeze(0)
-    keys, values = cache.update(k, v, attn.index)  # [1, kv_heads, length, d]
-    if keys.stride(3) != 1 or values.stride() != keys.stride():
-        keys, values = keys.contiguous(), values.contiguous()
-    lib.kv_layer_rest(
-        rows.data_ptr(), m, qkv.data_ptr(), qkv.stride(0), keys.data_ptr(), values.data_ptr(), keys.stride(1),
-        keys.stride(2), keys.shape[2], ctypes.c_float(attn.scaling), heads, kv_heads, d, ctypes.byref(step.o),
-        step.norms[1].data_ptr(), ctypes.c_float(step.eps[1]), ctypes.byref(step.gate_up), ctypes.byref(step.down),
-        held["attn"].data_ptr(), h.data_ptr(), held["act"].data_ptr(), xq.data_ptr(), xd.data_ptr(), xs.data_ptr(),
-    )  # fmt: skip
+    keys, values = _extend(step, cache.layers[attn.index], m)
+    call = _scratch_for(step, m)
+    call.x, call.m, call.cos, call.sin_signed = rows.data_ptr(), m, cos.data_ptr(), sin_signed.data_ptr()
+    call.keys, call.values = keys.data_ptr(), values.data_ptr()
+    call.head_stride, call.pos_stride, call.length = keys.stride(1), keys.stride(2), keys.shape[2]
+    layer, where = ctypes.byref(step.layer), ctypes.byref(call)
+    lib.kv_layer_qkv(layer, where)
+    lib.kv_layer_rest(layer, where)
+    return rows.view(x.shape)
+
+
+class ModelStep:
+    """Every layer's kernel forward in one call (``kv_layers``): what a step passes for all of them."""
+
+    def __init__(self, steps: list[LayerStep], blocks: list[Any]):
+        self.steps, self.blocks = steps, blocks
+        self.layers = (Layer * len(steps))(*[s.layer for s in steps])
+        self.places = [place for s in steps for place in s.places]
+        self.held = [h for s in steps for h in s.held]
+        self.tensors = [t for s in steps for t in s.tensors]
+        self.versions = [t._version for t in self.tensors]
+        self.keys = (ctypes.c_void_p * len(steps))()
+        self.values = (ctypes.c_void_p * len(steps))()
+        self.strides = (ctypes.c_int64 * (2 * len(steps)))()
+
+    def fresh(self) -> bool:
+        return (
+            all(map(operator.is_, [table.get(name) for table, name in self.places], self.held))
+            and [t._version for t in self.tensors] == self.versions
+        )
+
+
+def _hooked(blocks: Any) -> bool:
+    """Whether a forward hook would see the layers one by one (it must then: ``decode_step`` promises it)."""
+    hooks = torch.nn.modules.module
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+        return True
+    return any(b._forward_hooks or b._forward_pre_hooks for b in blocks)
+
+
+def run_layers(decoder: Any, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, cache: Any):
+    """Every layer over the M new rows in one call into the kernels, or None where any layer must run on its
+    own (``step_for`` refuses one, or a hook watches the layers). Its result is ``run``'s, layer after layer."""
+    blocks = decoder.layers
+    whole = decoder.__dict__.get("kernel_steps")
+    if whole is None or whole.blocks != list(blocks) or not whole.fresh():
+        steps = [step_for(b, x, cache) for b in blocks]
+        if any(s is None for s in steps):
+            decoder.__dict__.pop("kernel_steps", None)
+            return None
+        whole = decoder.__dict__["kernel_steps"] = ModelStep(steps, list(blocks))
+    if _hooked(blocks) or x.dtype != torch.float32 or (x.dim() == 3 and x.shape[0] != 1):
+        return None
+    lib = qkernel.library()
+    first = whole.steps[0]
+    rows, cos, sin_signed = _rows(first, x, cos, sin_signed)
+    m = rows.shape[0]
+    length = 0
+    for i, (step, block) in enumerate(zip(whole.steps, blocks)):
+        layer_cache = cache.layers[block.self_attn.index]
+        if getattr(layer_cache, "window", None) is not None:
+            raise RuntimeError("a layer with a window reached the kernel forward")  # step_for refuses these
+        keys, values = _extend(step, layer_cache, m)
+        whole.keys[i], whole.values[i] = keys.data_ptr(), values.data_ptr()
+        whole.strides[2 * i], whole.strides[2 * i + 1] = keys.stride(1), keys.stride(2)
+        length = keys.shape[2]
+    call = _scratch_for(max(whole.steps, key=lambda s: s.layer.inter), m)
+    call.x, call.m, call.cos, call.sin_signed = rows.data_ptr(), m, cos.data_ptr(), sin_signed.data_ptr()
+    call.length = length
+    lib.kv_layers(len(whole.steps), whole.layers, ctypes.byref(call), whole.keys, whole.values, whole.strides)
     return rows.view(x.shape)
