@@ -58,7 +58,13 @@ class FusedQuantized(nn.Module):
 
     def _state(self) -> list[tuple[int, int]]:
         # Identity and in-place version: a part's tensor replaced (moved, cast) or written (loaded) since.
-        return [(id(t), t._version) for p in self.parts for t in (p.qweight, p.scales, p.mins, p.bias) if t is not None]
+        # An inference tensor keeps no version (written in place, it is still the memory the product reads).
+        return [
+            (id(t), 0 if t.is_inference() else t._version)
+            for p in self.parts
+            for t in (p.qweight, p.scales, p.mins, p.bias)
+            if t is not None
+        ]
 
     def refresh(self) -> None:
         """Lay the codes out anew if a part changed since."""

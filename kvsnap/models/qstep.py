@@ -118,7 +118,9 @@ class LayerStep:
         gate_up.refresh()
         self.places = _places(block)
         self.held = [table[name] for table, name in self.places]
-        self.tensors = [t for t in self.held if isinstance(t, torch.Tensor)]
+        # Written in place, a tensor is still the memory the kernel reads; its version says it changed, which
+        # matters where a copy was made from it (the norms, biases). Inference tensors keep no version.
+        self.tensors = [t for t in self.held if isinstance(t, torch.Tensor) and not t.is_inference()]
         self.versions = [t._version for t in self.tensors]
         self.keep: list[torch.Tensor] = [t for f in (qkv, gate_up) for t in (f.whole[0].qweight, f.whole[0].scales)]
         norms = [

@@ -1,0 +1,197 @@
+"""kvsnap's own quantized kernel (kvsnap.models.qkernel, qmatmul.c, kvsnap.models.qstep).
+
+What a user relies on: its products are the weights' products (to 8-bit activations' rounding); a quantized
+model on it computes each token's KV and logits the same whatever the chunking, so a resume equals the cold
+run bit for bit and skips the prefix; hooks on the layers still see every layer; a weight changed in place
+is what runs next; the library it builds is read back only from a private folder; where it cannot run,
+torch's kernels do, under another fingerprint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvsnap.config import SamplingParams
+from kvsnap.engine.cache import KVCache
+from kvsnap.engine.runner import Runner
+from kvsnap.engine.session import Session
+from kvsnap.models import fused, load_model, qkernel, quantize
+
+pytestmark = pytest.mark.skipif(qkernel.library() is None, reason=f"no kernel here: {qkernel.unavailable_reason()}")
+
+IDS = list(range(5, 45))
+GREEDY = SamplingParams(temperature=0, max_new_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def int4(tiny_model_dir):
+    return {arch: load_model(str(tiny_model_dir(arch)), device="cpu", quantize="int4") for arch in ("llama", "qwen2")}
+
+
+def _reference(linear: quantize.QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    return x @ linear.dequantized(torch.float32).t() + (0 if linear.bias is None else linear.bias)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_a_product_is_the_weights_product_to_the_activations_rounding(bits, rows):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 160), torch.randn(96)
+    linear = quantize.QuantizedLinear(weight, bias, bits)
+    assert linear.kernel == "a8"
+    x = torch.randn(rows, 160)
+    got, want = linear(x), _reference(linear, x)
+    # 8-bit activations in groups of 32: each product within ~1% of the float one over these weights.
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    assert torch.equal(linear(x[:1]), got[:1])  # a row's product does not depend on the rows beside it
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fused_products_equal_the_separate_ones_bit_for_bit(bits):
+    torch.manual_seed(1)
+    parts = [quantize.QuantizedLinear(torch.randn(n, 64), None, bits) for n in (64, 32, 32)]
+    x = torch.randn(1, 64)
+    separate = torch.cat([p(x) for p in parts], dim=-1)
+    together = fused.FusedQuantized(parts)
+    assert torch.equal(together(x), separate)
+    assert torch.equal(torch.cat([p(x) for p in parts], dim=-1), separate)  # the parts now view its codes
+
+
+def _chunked(lm, chunk: int):
+    runner, cache, pos = Runner(lm), KVCache(lm.config), 0
+    while pos < len(IDS):
+        logits = runner.forward(cache, IDS[pos : pos + chunk], pos)
+        pos += chunk
+    return logits, cache
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_token_computes_the_same_kv_and_logits_in_any_chunking(int4, arch):
+    lm = int4[arch]
+    assert lm.model.quantization == "int4-a8"
+    whole, cache = _chunked(lm, len(IDS))
+    for chunk in (1, 3, 7):
+        logits, other = _chunked(lm, chunk)
+        assert torch.equal(logits, whole), chunk
+        for a, b in zip(cache.layers, other.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+@pytest.mark.parametrize("chunk", [1, 7])
+def test_a_resume_on_the_kernel_equals_the_cold_run_bit_for_bit_and_skips_the_prefix(
+    int4, chunk, forward_counter, tmp_path
+):
+    lm, path = int4["llama"], tmp_path / "p.kv"
+    primer = Session(lm, block_size=8)
+    primer.prefill(IDS[:27])
+    primer.save(path)
+    cold = Session(lm, block_size=8, chunk_size=chunk)
+    cold.prefill(IDS)
+    cold_logits, cold_tokens = cold.last_logits.clone(), cold.generate(GREEDY).token_ids
+    resumed = Session(lm, block_size=8, chunk_size=chunk)
+    assert resumed.restore(path, IDS).hit_tokens == 27
+    counter = forward_counter(lm)
+    resumed.prefill(IDS)
+    assert counter.tokens == len(IDS) - 27
+    assert torch.equal(resumed.last_logits, cold_logits)
+    assert resumed.generate(GREEDY).token_ids == cold_tokens
+
+
+def test_hooks_on_a_layer_see_every_layer_and_the_result_is_the_same(int4):
+    lm = int4["llama"]
+    plain, _ = _chunked(lm, 1)
+    seen = []
+    handles = [
+        block.register_forward_hook(lambda module, args, out: seen.append(out.shape)) for block in lm.model.model.layers
+    ]
+    try:
+        hooked, _ = _chunked(lm, 1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(seen) == len(IDS) * lm.config.num_hidden_layers
+    assert torch.equal(hooked, plain)  # layer by layer, the same kernels as all layers in one call
+
+
+@pytest.mark.parametrize("how", ["in place", "replaced"])
+@pytest.mark.parametrize("where", ["mlp.down_proj", "self_attn.k_proj"])  # on its own; fused with q and v
+def test_a_weight_changed_since_is_what_runs_next(tiny_model_dir, how, where):
+    def change(lm):
+        linear = lm.model.model.layers[1].get_submodule(where)
+        with torch.no_grad():
+            if how == "in place":
+                linear.scales.mul_(1.5)
+            else:
+                linear.scales = linear.scales * 1.5  # a new tensor: the kernel must not keep the old one
+
+    lm = load_model(str(tiny_model_dir("llama")), device="cpu", quantize="int4")
+    before, _ = _chunked(lm, 1)
+    change(lm)
+    after, _ = _chunked(lm, 1)
+    fresh = load_model(str(tiny_model_dir("llama")), device="cpu", quantize="int4")
+    change(fresh)
+    assert not torch.equal(after, before)
+    assert torch.equal(after, _chunked(fresh, 1)[0])
+
+
+def _load_in_child(home, model_dir, env=None) -> dict:
+    code = (
+        "import json, sys; from kvsnap.models import load_model, qkernel; "
+        f"lm = load_model({str(model_dir)!r}, device='cpu', quantize='int4'); "
+        "print(json.dumps({'q': lm.model.quantization, 'why': qkernel.unavailable_reason()}))"
+    )
+    ran = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "KVSNAP_HOME": str(home), **(env or {})},
+        timeout=300,
+    )
+    assert ran.returncode == 0, ran.stderr
+    return json.loads(ran.stdout.strip().splitlines()[-1])
+
+
+def test_a_library_in_a_folder_others_may_write_is_never_loaded(tiny_model_dir, tmp_path):
+    home = tmp_path / "home"
+    (home / "kernels").mkdir(parents=True)
+    (home / "kernels").chmod(0o777)
+    got = _load_in_child(home, tiny_model_dir("llama"))
+    assert got["q"] == "int4" and "not a private folder" in got["why"]  # torch's kernels ran instead
+    assert not list((home / "kernels").iterdir())
+
+
+def test_a_link_planted_at_the_library_name_is_replaced_not_followed(tiny_model_dir, tmp_path):
+    home, victim = tmp_path / "home", tmp_path / "victim.so"
+    victim.write_bytes(b"not a library")
+    first = _load_in_child(home, tiny_model_dir("llama"))
+    built = next((home / "kernels").glob("qmatmul-*.so"))
+    assert first["q"] == "int4-a8" and oct(built.stat().st_mode & 0o777) == "0o600"
+    built.unlink()
+    built.symlink_to(victim)
+    again = _load_in_child(home, tiny_model_dir("llama"))
+    assert again["q"] == "int4-a8"
+    assert not built.is_symlink() and victim.read_bytes() == b"not a library"
+
+
+def test_without_the_kernel_torch_runs_it_under_another_fingerprint(int4, tiny_model_dir, tmp_path):
+    got = _load_in_child(tmp_path / "home", tiny_model_dir("llama"), {"KVSNAP_QKERNEL": "0"})
+    assert got == {"q": "int4", "why": "KVSNAP_QKERNEL=0"}
+    path = tmp_path / "a8.kv"
+    s = Session(int4["llama"], block_size=8)
+    s.prefill(IDS)
+    s.save(path)
+    code = (
+        "import sys; from kvsnap.models import load_model; from kvsnap.engine.session import Session; "
+        f"lm = load_model({str(tiny_model_dir('llama'))!r}, device='cpu', quantize='int4'); "
+        f"Session(lm, block_size=8).restore({str(path)!r}, list(range(5, 45)))"
+    )
+    env = {**os.environ, "KVSNAP_HOME": str(tmp_path / "home"), "KVSNAP_QKERNEL": "0"}
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert ran.returncode != 0
+    assert "weights quantized int4-a8, not int4" in ran.stderr and "C compiler" in ran.stderr
