@@ -36,7 +36,7 @@ from kvsnap.models.catalog import kvsnap_home
 
 SOURCE = Path(__file__).with_name("qmatmul.c")
 GROUP = 32
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 ABI_VERSION = 6
 _lock = threading.Lock()
 _reason: list[str] = []  # why the kernels are not available (set once, by ``library``)
