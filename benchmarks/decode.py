@@ -7,13 +7,15 @@ the same prefilled context (the cache cut back to it); only the decode is timed.
 and spread are reported, and the load average of the machine around each run, since other jobs slow
 both engines (llama.cpp's threads wait on each other, and on a descheduled one, far more than torch's).
 
-kvsnap runs each ``--variant``: ``chat``, what ``kvsnap chat`` runs by default (``--dtype auto``, the
-weights packed for oneDNN, one-row products over whichever weights measured faster, the one-token decode
-step); ``float32`` the same in float32; ``float32-before``: packed weights for every product and the
-general forward for a decode step (``KVSNAP_PACK_ONE_ROW=packed KVSNAP_DECODE_STEP=0``);
-``float32-unpacked``, and ``float32-unpacked-general`` without the decode step; ``bfloat16`` (packed
-where the CPU has bfloat16 instructions). llama.cpp runs the GGUF as it is (via ``llama-cpp-python``,
-f16 KV). ``--profile`` adds a ``torch.profiler`` view of a decode step per variant: time per token,
+kvsnap runs each ``--variant``: ``chat``, what ``kvsnap chat`` runs by default (``--dtype auto``,
+``--quantize auto``: a Q4 GGUF in int4 on kvsnap's own kernel where it builds, float weights packed for
+oneDNN otherwise); ``float32`` the float chat (``--quantize none``: packed weights, one-row products over
+whichever weights measured faster, the one-token decode step); ``float32-before``: packed weights for
+every product and the general forward for a decode step (``KVSNAP_PACK_ONE_ROW=packed
+KVSNAP_DECODE_STEP=0``); ``float32-unpacked``, and ``float32-unpacked-general`` without the decode step;
+``bfloat16`` (packed where the CPU has bfloat16 instructions); ``int8`` and ``int4`` (``--quantize``).
+llama.cpp runs the GGUF as it is (via ``llama-cpp-python``, f16 KV).
+``--profile`` adds a ``torch.profiler`` view of a decode step per variant: time per token,
 operator calls per token, and where the time goes.
 
 llama-cpp-python is not a kvsnap dependency; build it in its own folder and point at it:
@@ -42,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks.common import describe, document, machine, table, write_json  # noqa: E402
-from kvsnap.config import DEFAULT_DTYPE, DEFAULT_MODEL, SamplingParams  # noqa: E402
+from kvsnap.config import DEFAULT_DTYPE, DEFAULT_MODEL, DEFAULT_QUANTIZE, SamplingParams  # noqa: E402
 from kvsnap.engine.cache import KVCache  # noqa: E402
 from kvsnap.engine.prepare import forward_kind, start_packing  # noqa: E402
 from kvsnap.engine.runner import Runner, generate  # noqa: E402
@@ -59,7 +61,7 @@ class Variant:
 
 
 VARIANTS = {
-    "chat": Variant(DEFAULT_DTYPE, True),
+    "chat": Variant(DEFAULT_DTYPE, True, quantize=DEFAULT_QUANTIZE),
     "float32": Variant("float32", True),
     "float32-before": Variant("float32", True, one_row="packed", step=False),
     "float32-unpacked": Variant("float32", False),
@@ -161,7 +163,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="threads of both engines")
-    parser.add_argument("--variant", nargs="+", choices=sorted(VARIANTS), default=["chat", "float32-before"])
+    parser.add_argument("--variant", nargs="+", choices=sorted(VARIANTS), default=["chat", "float32"])
     parser.add_argument("--profile", action="store_true", help="also profile a decode step of each variant")
     parser.add_argument("--llama-site", help="site-packages folder holding llama_cpp (omit: kvsnap only)")
     parser.add_argument("--no-extra-bufts", action="store_true", help="llama.cpp without AMX/repacked buffers")

@@ -64,8 +64,11 @@ def prompts(tokenizer, count: int, length: int) -> list[list[int]]:
 def logits(lm, ids: list[int]):
     import torch
 
+    from kvsnap.engine.cache import KVCache
+
+    # Over a cache, as every forward kvsnap runs (a quantized model on kvsnap's kernel needs one).
     with torch.inference_mode():
-        return lm.model(torch.tensor([ids]), use_cache=False).logits[0].float()  # [len(ids), vocab]
+        return lm.model(torch.tensor([ids]), cache=KVCache(lm.config)).logits[0].float()  # [len(ids), vocab]
 
 
 def continuations(lm, starts: list[list[int]], new_tokens: int) -> list[list[int]]:

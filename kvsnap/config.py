@@ -27,7 +27,9 @@ DEFAULT_CODEC = "shuffle-zstd"
 DEFAULT_LEVEL = 1  # zstd level: 1 compresses float KV within 1% of level 3, several times faster
 DEFAULT_DEVICE = "auto"
 DEFAULT_DTYPE = "auto"
-DEFAULT_QUANTIZE = "none"  # weights as the folder holds them (int8, int4, auto: kvsnap.models.quantize)
+# A GGUF runs at its own precision (Q4 files in int4, Q8 in int8: kvsnap.models.quantize), as llama.cpp runs
+# it; any other folder's weights run as it holds them. Figures behind the choice: docs/models.md.
+DEFAULT_QUANTIZE = "auto"
 ON_MISMATCH = ("error", "recompute")  # what to do when a --resume snapshot is refused
 # A chat turn whose prompt and answer room do not fit the context: drop the oldest turns from the model's
 # view (the messages keep them; kvsnap.engine.chat_view), or refuse the turn.

@@ -71,7 +71,7 @@ def test_every_linear_runs_quantized_and_the_weights_shrink(quantized, arch):
         assert not any(p.dtype == torch.float32 and p.dim() == 2 for p in lm.model.parameters())
     sizes = [quantize.weight_bytes(lm.model) for lm in (plain, int8, int4)]
     assert sizes[0] > 3 * sizes[1] and sizes[1] > sizes[2]
-    assert forward_kind(int4) == "native forward, int4 weights"
+    assert forward_kind(int4).startswith("native forward, int4 weights on ")  # kvsnap's kernel, or torch's: why
     assert not start_packing(int4)  # the quantized kernels run them, not oneDNN's packed float product
 
 
@@ -89,9 +89,9 @@ def test_the_fingerprint_differs_by_quantization_and_a_float_model_keeps_its_own
     prints = {m: quantized(m).fingerprint for m in ("none", "int8", "int4")}
     assert len(set(prints.values())) == 3
     assert prints["none"] == load_model(str(tiny_model_dir("llama")), device="cpu").fingerprint
-    # The name says which kernels ran it: kvsnap's own (-a8) where it builds, else torch's.
+    # The name says which kernels ran it: kvsnap's own (-a16) where it builds, else torch's.
     assert quantized("int4").fingerprint_parts["quantization"] == quantized("int4").model.quantization
-    assert quantized("int4").model.quantization in ("int4", "int4-a8")
+    assert quantized("int4").model.quantization in ("int4", "int4-a16")
     assert "quantization" not in quantized("none").fingerprint_parts
     # auto keeps a GGUF's class; a folder that is no GGUF conversion stays float.
     assert load_model(str(tiny_model_dir("llama")), device="cpu", quantize="auto").fingerprint == prints["none"]

@@ -6,7 +6,7 @@ single forward would wait for it.
 
 from __future__ import annotations
 
-from kvsnap import limits
+from kvsnap import limits, quantization
 from kvsnap.models.load import LoadedModel
 
 
@@ -26,11 +26,22 @@ def start_packing(lm: LoadedModel) -> bool:
     return bool(start is not None and start())
 
 
+def _kernels(lm: LoadedModel) -> str:
+    if str(getattr(lm.model, "quantization", "")).endswith(quantization.KERNEL_SUFFIX):
+        return "on kvsnap's kernel"
+    if lm.device.type != "cpu":
+        return "dequantized per product"
+    from kvsnap.models import qkernel
+
+    why = qkernel.unavailable_reason() or "its layers' shapes"
+    return f"on torch's kernels ({why})"
+
+
 def forward_kind(lm: LoadedModel) -> str:
     """What runs ``lm``'s forward, in words: "native forward, packed weights", "transformers forward"."""
     packing = getattr(lm.model, "packing", None)
     if lm.quantization != "none":
-        return f"{lm.backend} forward, {lm.quantization} weights"
+        return f"{lm.backend} forward, {lm.quantization} weights {_kernels(lm)}"
     if packing is None:
         return f"{lm.backend} forward"
     if packing.error is not None:

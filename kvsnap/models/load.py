@@ -177,7 +177,7 @@ def load_model(
     mark("kvsnap.engine")
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
-    quantization = _quantization(quantize, folder)  # before the weights load
+    quantization = _quantization(quantize, folder, dev)  # before the weights load
     raw_config = config_file(folder)
     use_native = native_config.enabled() and dev.type == "cpu"
     config = native_config.plain_config(raw_config) if use_native else None
@@ -256,11 +256,14 @@ def load_model(
     )
 
 
-def _quantization(mode: str, folder: Path) -> str:
-    """The quantization ``mode`` asks for the model in ``folder`` (``auto``: the class of the GGUF it came from)."""
+def _quantization(mode: str, folder: Path, device: Any) -> str:
+    """The quantization ``mode`` asks for the model in ``folder`` on ``device`` (``auto``: on the CPU, the class
+    of the GGUF it came from; on a GPU none, where quantized products dequantize and are not tuned)."""
     from kvsnap.models import quantize
 
-    source = catalog.marker(folder).get("source") if quantize.check_mode(mode) == "auto" else None
+    if quantize.check_mode(mode) == "auto" and device.type != "cpu":
+        return "none"
+    source = catalog.marker(folder).get("source") if mode == "auto" else None
     return quantize.resolve(mode, quantize.gguf_class(Path(source)) if isinstance(source, str) else None)
 
 

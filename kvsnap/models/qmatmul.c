@@ -1,13 +1,15 @@
 /* Quantized products for x86-64 CPUs with AVX2, FMA and F16C: weights in 4 or 8 bits, activations
- * quantized to 8 bits in groups of 32 (what llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0 dot products do).
+ * quantized to 16 bits in groups of 32, multiplied as 16-bit integer pairs (vpmaddwd). llama.cpp quantizes
+ * activations to 8 bits (Q8_1); 16 keeps a small model's greedy answers those of its float weights, at a
+ * few percent of speed (docs/models.md).
  *
- * Built at run time by kvsnap.models.kernels (cc -O3 -mavx2 -mfma -mf16c -fopenmp) and called through
+ * Built at run time by kvsnap.models.qkernel (cc -O3 -mavx2 -mfma -mf16c -fopenmp) and called through
  * ctypes with the tensors' pointers. Every output element is one dot product computed by one thread in
  * a fixed order, so a row's result does not depend on how many rows a call holds, on the thread count
  * or on which thread ran it.
  *
  * Layouts (K: the input width, a multiple of 32; G = K / 32 groups):
- *   activations  xq int8 [M, K], xd float [M, G] (scale), xs float [M, G] (scale * sum of the group's codes)
+ *   activations  xq int16 [M, K], xd float [M, G] (scale), xs float [M, G] (scale * sum of the group's codes)
  *   int4 weights codes uint8 [N, K / 2]: a group's 16 bytes hold its elements j (low nibble) and j + 16
  *                (high nibble); d, m float16 [N, G]: w = d * code + m
  *   int8 weights codes int8 [N, K], s float [N]: w = s * code
@@ -19,6 +21,9 @@
 
 #define GROUP 32
 
+typedef int16_t act_t; /* activation codes */
+#define ACT_MAX 32767.0f
+
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
     lo = _mm_add_ps(lo, hi);
@@ -27,16 +32,16 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
-/* One group of 32 floats to int8: scale = max|x| / 127, code = round(x / scale). */
-static inline void quantize_group(const float *src, int8_t *xq, float *xd, float *xs, int64_t r) {
+/* One group of 32 floats to int16: scale = max|x| / 32767, code = round(x / scale). */
+static inline void quantize_group(const float *src, act_t *xq, float *xd, float *xs, int64_t r) {
     float amax = 0.0f;
     for (int i = 0; i < GROUP; i++) amax = fmaxf(amax, fabsf(src[i]));
-    const float d = amax / 127.0f;
+    const float d = amax / ACT_MAX;
     const float inv = d > 0.0f ? 1.0f / d : 0.0f;
     int sum = 0;
     for (int i = 0; i < GROUP; i++) {
         const int q = (int)lrintf(src[i] * inv);
-        xq[r * GROUP + i] = (int8_t)q;
+        xq[r * GROUP + i] = (act_t)q;
         sum += q;
     }
     xd[r] = d;
@@ -44,24 +49,34 @@ static inline void quantize_group(const float *src, int8_t *xq, float *xd, float
 }
 
 /* Quantize M rows of K floats in groups of 32 (quantize_group). */
-void kv_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *xd, float *xs) {
+void kv_quantize_rows(const float *x, int64_t M, int64_t K, act_t *xq, float *xd, float *xs) {
     const int64_t G = K / GROUP;
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < M * G; r++) quantize_group(x + r * GROUP, xq, xd, xs, r);
 }
 
-static inline __m256i nibbles(const uint8_t *p) {
-    const __m128i raw = _mm_loadu_si128((const __m128i *)p);
-    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
-    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+/* One group's 32 integer products, as 8 int32 partial sums. */
+static inline __m256i product_q4(const uint8_t *w4, const act_t *x) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)w4), low = _mm_set1_epi8(0x0F);
+    const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low));
+    const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
+    return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
+                            _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 16))));
+}
+
+static inline __m256i product_q8(const int8_t *w8, const act_t *x) {
+    const __m256i w = _mm256_loadu_si256((const __m256i *)w8);
+    const __m256i lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
+    const __m256i hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
+    return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
+                            _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 16))));
 }
 
 /* One int4 weight row by one quantized activation row: sum over groups of d * xd * (codes . xq) + m * xs.
  * The per-group scales d * xd and the min term are formed 8 groups at a time first, so the main loop is
  * integer products and one multiply-add a group. */
-static inline float dot_q4(const int8_t *xq, const float *xd, const float *xs, const uint8_t *wrow,
+static inline float dot_q4(const act_t *xq, const float *xd, const float *xs, const uint8_t *wrow,
                            const uint16_t *drow, const uint16_t *mrow, int64_t G) {
-    const __m256i ones = _mm256_set1_epi16(1);
     float sc[G];
     __m256 ex = _mm256_setzero_ps();
     int64_t g = 0;
@@ -79,22 +94,18 @@ static inline float dot_q4(const int8_t *xq, const float *xd, const float *xs, c
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (g = 0; g + 3 < G; g += 4) { /* four chains: the accumulations' latency overlaps */
         for (int j = 0; j < 4; j++) {
-            const __m256i w = nibbles(wrow + (g + j) * (GROUP / 2));
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + (g + j) * GROUP));
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+            const __m256i p = product_q4(wrow + (g + j) * (GROUP / 2), xq + (g + j) * GROUP);
             acc[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + g + j), _mm256_cvtepi32_ps(p), acc[j]);
         }
     }
     for (; g < G; g++) {
-        const __m256i w = nibbles(wrow + g * (GROUP / 2));
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + g * GROUP));
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+        const __m256i p = product_q4(wrow + g * (GROUP / 2), xq + g * GROUP);
         acc[0] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + g), _mm256_cvtepi32_ps(p), acc[0]);
     }
     return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]))) + extra;
 }
 
-void kv_matmul_q4(const int8_t *xq, const float *xd, const float *xs, int64_t M, const uint8_t *codes,
+void kv_matmul_q4(const act_t *xq, const float *xd, const float *xs, int64_t M, const uint8_t *codes,
                   const uint16_t *d, const uint16_t *mins, int64_t N, int64_t K, float *out) {
     const int64_t G = K / GROUP;
 #pragma omp parallel for schedule(static)
@@ -104,30 +115,23 @@ void kv_matmul_q4(const int8_t *xq, const float *xd, const float *xs, int64_t M,
 }
 
 /* out[m, n] = sum_k w[n, k] * x[m, k] over int8 weights (one scale per row). out: float [M, N]. */
-static inline float dot_q8(const int8_t *xq, const float *xd, const int8_t *wrow, int64_t G) {
-    const __m256i ones = _mm256_set1_epi16(1);
+static inline float dot_q8(const act_t *xq, const float *xd, const int8_t *wrow, int64_t G) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int64_t g = 0;
     for (; g + 1 < G; g += 2) {
-        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wrow + g * GROUP));
-        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wrow + (g + 1) * GROUP));
-        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + g * GROUP));
-        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + (g + 1) * GROUP));
-        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0)), ones);
-        const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1)), ones);
+        const __m256i p0 = product_q8(wrow + g * GROUP, xq + g * GROUP);
+        const __m256i p1 = product_q8(wrow + (g + 1) * GROUP, xq + (g + 1) * GROUP);
         acc0 = _mm256_fmadd_ps(_mm256_set1_ps(xd[g]), _mm256_cvtepi32_ps(p0), acc0);
         acc1 = _mm256_fmadd_ps(_mm256_set1_ps(xd[g + 1]), _mm256_cvtepi32_ps(p1), acc1);
     }
     for (; g < G; g++) {
-        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wrow + g * GROUP));
-        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + g * GROUP));
-        const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0)), ones);
+        const __m256i p0 = product_q8(wrow + g * GROUP, xq + g * GROUP);
         acc0 = _mm256_fmadd_ps(_mm256_set1_ps(xd[g]), _mm256_cvtepi32_ps(p0), acc0);
     }
     return hsum(_mm256_add_ps(acc0, acc1));
 }
 
-void kv_matmul_q8(const int8_t *xq, const float *xd, int64_t M, const int8_t *codes, const float *s, int64_t N,
+void kv_matmul_q8(const act_t *xq, const float *xd, int64_t M, const int8_t *codes, const float *s, int64_t N,
                   int64_t K, float *out) {
     const int64_t G = K / GROUP;
 #pragma omp parallel for schedule(static)
@@ -168,13 +172,13 @@ typedef struct {
     float *keys, *values; /* the new rows' k and v are written at positions length - M .. length - 1 */
     int64_t head_stride, pos_stride, length;
     float *h, *attn, *act;
-    int8_t *xq;
+    act_t *xq;
     float *xd, *xs;
 } kv_call;
 
 /* out[M, N] = x[M, K] W^T + bias (x's rows ldx floats apart), the activations quantized into xq [M, K], xd
  * and xs [M, K / 32]. Called by every thread of a parallel region: the work is shared with `omp for`. */
-static void product_team(const kv_matrix *w, const float *x, int64_t ldx, int64_t M, float *out, int8_t *xq, float *xd,
+static void product_team(const kv_matrix *w, const float *x, int64_t ldx, int64_t M, float *out, act_t *xq, float *xd,
                          float *xs) {
     const int64_t G = w->k / GROUP;
 #pragma omp for schedule(static)
@@ -300,7 +304,7 @@ void kv_layer_rest(const kv_layer *layer, const kv_call *c) {
     const int64_t q_stride = layer->qkv.n, head_stride = c->head_stride, pos_stride = c->pos_stride;
     const float scale = layer->scale, *q = c->qkv, *keys = c->keys, *values = c->values;
     float *x = c->x, *attn = c->attn, *h = c->h, *act = c->act, *xd = c->xd, *xs = c->xs;
-    int8_t *xq = c->xq;
+    act_t *xq = c->xq;
     const kv_matrix *o = &layer->o, *gate_up = &layer->gate_up, *down = &layer->down;
 #pragma omp parallel
     {
@@ -377,4 +381,6 @@ void kv_layers(int64_t n_layers, const kv_layer *layers, kv_call *c, float *cons
     }
 }
 
-int kv_abi_version(void) { return 6; }
+int kv_abi_version(void) { return 8; }
+
+

@@ -3,7 +3,7 @@
 Why: with the weights in 4 bits, a one-token step of a small model is mostly overhead. Each of its few
 hundred torch operators costs 2-30 us on the 2-core VM whatever its size (a 576-wide ``rms_norm`` took
 30 us, a one-query attention 110-220 us), about half of a step. Here a layer of a model whose products
-all run on kvsnap's kernel (``QuantizedLinear.kernel == "a8"``) runs as:
+all run on kvsnap's kernel (``QuantizedLinear.kernel == "a16"``) runs as:
 
 1. ``kv_step_qkv``: the input norm, the fused q/k/v product, the rotation of q and k;
 2. the cache's own ``update`` with the new k and v (the cache stays the only owner of its buffers);
@@ -166,9 +166,9 @@ def step_for(block: Any, x: torch.Tensor, cache: Any) -> LayerStep | None:
 def _kernel_layer(block: Any) -> bool:
     attn, mlp = block.self_attn, block.mlp
     fused = attn.__dict__.get("qkv"), mlp.__dict__.get("gate_up")
-    if any(f is None or f.whole[0].kernel != "a8" for f in fused) or attn.head_dim % 8:
+    if any(f is None or f.whole[0].kernel != "a16" for f in fused) or attn.head_dim % 8:
         return False  # the attention reads heads 8 floats at a time
-    return all(isinstance(m, QuantizedLinear) and m.kernel == "a8" for m in (attn.o_proj, mlp.down_proj)) and all(
+    return all(isinstance(m, QuantizedLinear) and m.kernel == "a16" for m in (attn.o_proj, mlp.down_proj)) and all(
         n.weight.dtype == torch.float32 for n in (block.input_layernorm, block.post_attention_layernorm)
     )
 
@@ -184,9 +184,9 @@ def _scratch_for(step: LayerStep, m: int) -> Call:
     }  # fmt: skip
     held = getattr(_scratch, "held", None)
     if held is None or any(held[name].numel() < n for name, n in size.items()):
-        held = _scratch.held = {
-            name: torch.empty(2 * n, dtype=torch.int8 if name == "xq" else torch.float32) for name, n in size.items()
-        }
+        types = {"xq": qkernel.ACTIVATIONS}
+        held = {name: torch.empty(2 * n, dtype=types.get(name, torch.float32)) for name, n in size.items()}
+        _scratch.held = held
         call = _scratch.call = Call()
         for name in ("qkv", "h", "attn", "act", "xq", "xd", "xs"):
             setattr(call, name, held[name].data_ptr())

@@ -34,6 +34,7 @@ from torch import nn
 from kvsnap.errors import ConfigError
 from kvsnap.models import exact as invariant
 from kvsnap.models import qkernel
+from kvsnap.quantization import KERNEL_SUFFIX
 
 MODES = ("none", "int8", "int4", "auto")
 GROUP_SIZE = 32  # GGUF's Q4 block; group 64 measured worse perplexity for a few % less memory
@@ -144,7 +145,7 @@ def kernel_for(device: torch.device, in_features: int) -> bool:
 class QuantizedLinear(nn.Module):
     """A linear layer over int8 or int4 weights; ``forward(x, exact)`` as ``native.Linear``'s.
 
-    ``kernel``: ``a8`` where kvsnap's own kernel runs it (activations quantized to 8 bits in groups, int4
+    ``kernel``: ``a16`` where kvsnap's own kernel runs it (activations quantized to 16 bits in groups, int4
     as codes + float16 scale and min per group, int8 with a float32 scale per row), else ``bf16``
     (torch's kernels over their own layouts, bfloat16 activations)."""
 
@@ -154,15 +155,15 @@ class QuantizedLinear(nn.Module):
         if bits == 4 and self.in_features % group:
             bits = 8  # the kernels take whole groups only
         self.bits, self.group = bits, group
-        self.kernel = "a8" if kernel_for(weight.device, self.in_features) else "bf16"
+        self.kernel = "a16" if kernel_for(weight.device, self.in_features) else "bf16"
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.q4 = None  # the GPU path's plain codes
         if bits == 8:
             q, scales = int8_rows(weight)
             self.register_buffer("qweight", q)
-            self.register_buffer("scales", scales if self.kernel == "a8" else scales.to(COMPUTE_DTYPE))
+            self.register_buffer("scales", scales if self.kernel == "a16" else scales.to(COMPUTE_DTYPE))
             self.mins = None
-        elif self.kernel == "a8":
+        elif self.kernel == "a16":
             q, d, mins = int4_pairs(weight, group)
             self.register_buffer("qweight", qkernel.pack_q4(q))
             self.register_buffer("scales", d)
@@ -192,7 +193,7 @@ class QuantizedLinear(nn.Module):
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        if self.kernel == "a8":
+        if self.kernel == "a16":
             rows = qkernel.rows_of(x)  # [M, K] float32
             if self.bits == 8:
                 out = qkernel.matmul_q8(rows, self.qweight, self.scales)
@@ -213,7 +214,7 @@ class QuantizedLinear(nn.Module):
         """The weight these codes stand for, [N, K] (the GPU path; tests)."""
         if self.bits == 8:
             return (self.qweight.to(dtype) * self.scales.to(dtype)[:, None]).to(dtype)
-        if self.kernel == "a8":
+        if self.kernel == "a16":
             d = self.scales.float().repeat_interleave(self.group, dim=1)
             mins = self.mins.float().repeat_interleave(self.group, dim=1)
             return (qkernel.unpack_q4(self.qweight).float() * d + mins).to(dtype)
@@ -248,9 +249,9 @@ class QuantizedEmbedding(nn.Module):
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
         super().__init__()
         q, scales = int8_rows(weight)
-        self.kernel = "a8" if kernel_for(weight.device, weight.shape[1]) else "bf16"  # as a tied lm_head's
+        self.kernel = "a16" if kernel_for(weight.device, weight.shape[1]) else "bf16"  # as a tied lm_head's
         self.register_buffer("qweight", q)  # [vocab, hidden]
-        self.register_buffer("scales", scales if self.kernel == "a8" else scales.to(COMPUTE_DTYPE))  # [vocab]
+        self.register_buffer("scales", scales if self.kernel == "a16" else scales.to(COMPUTE_DTYPE))  # [vocab]
         self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -292,7 +293,8 @@ def apply(model: Any, mode: str, dtype: torch.dtype) -> None:
             tensor.data = tensor.data.to(dtype).clone()
     kernels = {m.kernel for m in model.modules() if isinstance(m, QuantizedLinear)}
     # The fingerprint's name of it: torch's bfloat16 products keep the plain name, kvsnap's kernel adds its own.
-    model.quantization = f"{mode}-a8" if kernels == {"a8"} else mode if kernels == {"bf16"} else f"{mode}-mixed"
+    names = {frozenset({"a16"}): f"{mode}{KERNEL_SUFFIX}", frozenset({"bf16"}): mode}
+    model.quantization = names.get(frozenset(kernels), f"{mode}-mixed")
     return_freed_memory()
 
 
