@@ -124,7 +124,7 @@ def main() -> None:
 
     resolve_model(args.model, install=True)
     file_bytes = gguf_bytes(args.model)
-    reference = load_model(args.model, device="cpu", dtype="float32")
+    reference = load_model(args.model, device="cpu", dtype="float32", quantize="none")
     starts = prompts(reference.tokenizer, args.prompts, args.prompt_tokens)
     wanted = continuations(reference, starts, args.agree_tokens)
     doc = document(reference.tokenizer, args.context)
