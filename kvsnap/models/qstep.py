@@ -104,6 +104,14 @@ def _places(block: Any) -> list[tuple[dict, str]]:
     return places
 
 
+def _unchanged(step: LayerStep | ModelStep) -> bool:
+    """Every module and tensor ``step`` took is still where it took it from, and no tensor was written since."""
+    return (
+        all(map(operator.is_, [table.get(name) for table, name in step.places], step.held))
+        and [t._version for t in step.tensors] == step.versions
+    )
+
+
 class LayerStep:
     """The addresses and shapes a layer's kernel forward passes to the kernels, taken once from its modules.
 
@@ -141,10 +149,7 @@ class LayerStep:
         self.like = torch.empty(1, self.widths[1] // head_dim, 0, head_dim)  # the cache's new rows, for its shape
 
     def fresh(self) -> bool:
-        return (
-            all(map(operator.is_, [table.get(name) for table, name in self.places], self.held))
-            and [t._version for t in self.tensors] == self.versions
-        )
+        return _unchanged(self)
 
 
 def step_for(block: Any, x: torch.Tensor, cache: Any) -> LayerStep | None:
@@ -245,10 +250,7 @@ class ModelStep:
         self.strides = (ctypes.c_int64 * (2 * len(steps)))()
 
     def fresh(self) -> bool:
-        return (
-            all(map(operator.is_, [table.get(name) for table, name in self.places], self.held))
-            and [t._version for t in self.tensors] == self.versions
-        )
+        return _unchanged(self)
 
 
 def _hooked(blocks: Any) -> bool:
