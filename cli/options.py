@@ -114,7 +114,7 @@ Quantize = Annotated[
     str,
     typer.Option(
         metavar="Q",
-        help="Weights: auto (a GGUF keeps its own class: Q4 runs int4, Q8 int8), none, int8, int4.",
+        help="Weights: auto, none, int8, int4.",
         show_default=False,
         rich_help_panel=MODEL,
     ),
