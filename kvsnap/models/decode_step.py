@@ -19,7 +19,8 @@ The linears are the layers' own modules (``Linear`` picks the packed or the plai
 product: ``kvsnap.models.packing``), so hooks, packing and a weight changed since still behave as in
 ``forward``. Only the native forward's full-attention layers come here, never an exact (batch-invariant)
 forward: that one computes a decode step as it computes a prefill row, on purpose. ``KVSNAP_DECODE_STEP=0``
-turns it off (a one-token forward then runs ``forward``'s general path).
+turns it off (a one-token forward then runs ``forward``'s general path). Layers quantized on kvsnap's own
+kernel take ``kvsnap.models.qstep`` instead (all of them in one call where no hook watches them).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Why: a decode step of a quantized model is a chain of small products, each a cast in, a kernel call and a
 cast out. Three projections of one normed row as one kernel call over their codes laid end to end cost a
 third of the calls, and each output column is the same dot product in the same order, so the fused
-product equals the separate ones bit for bit (tests/test_fused.py checks both layouts).
+product equals the separate ones bit for bit (tests/test_qkernel.py).
 
 The parts keep their codes as views into the fused tensors, so fusing adds no memory for them; torch's
 int4 layout keeps its scales as ``[K / group, N, 2]``, which cannot be viewed per part, so there the fused

@@ -1,19 +1,22 @@
-"""A quantized layer's decode step in two calls into kvsnap's kernels (``qmatmul.c``).
+"""The kernel forward: quantized layers run whole in kvsnap's kernel (``qmatmul.c``), row by row.
 
 Why: with the weights in 4 bits, a one-token step of a small model is mostly overhead. Each of its few
 hundred torch operators costs 2-30 us on the 2-core VM whatever its size (a 576-wide ``rms_norm`` took
-30 us, a one-query attention 110-220 us), about half of a step. Here a layer of a model whose products
-all run on kvsnap's kernel (``QuantizedLinear.kernel == "a16"``) runs as:
+30 us, a one-query attention 110-220 us), and its ~270 parallel regions a token each wake a thread. Here a
+layer whose products all run on kvsnap's kernel (``QuantizedLinear.kernel == "a16"``) is two calls in one
+parallel region each:
 
-1. ``kv_step_qkv``: the input norm, the fused q/k/v product, the rotation of q and k;
-2. the cache's own ``update`` with the new k and v (the cache stays the only owner of its buffers);
-3. ``kv_step_rest``: the attention of the one query over the cache, the output projection and residual,
-   the MLP's norm, the fused gate/up product, ``silu(gate) * up``, the down product and residual.
+1. ``kv_layer_qkv``: the input norm, the fused q/k/v product, the rotation of q and k, and the new rows'
+   k and v written into the cache's buffers (``extend``: the cache keeps owning them);
+2. ``kv_layer_rest``: each row's attention over the cache (causal: row m at position length - M + m),
+   the output projection and residual, the MLP's norm, the fused gate/up product, ``silu(gate) * up``,
+   the down product and residual.
 
-The arithmetic is the layer's (the same norms, rotation, softmax and products), in another order: the
-result is within float32 rounding of ``decode_step.layer``'s, not bit for bit (tests/test_qstep.py).
-Only float32 activations and caches of the native forward's full-attention layers come here, and only
-while every product of the layer is one of kvsnap's kernel; anything else takes ``decode_step.layer``.
+``run_layers`` makes one call of every layer (``kv_layers``) where no hook watches the layers; ``run``
+is one layer, for a layer called as a module. Both run the same C per row, and every row's arithmetic
+is the same whatever the call holds: a token's KV and logits are the same bits in a decode step, in
+any chunk or in a whole prompt (tests/test_qkernel.py). Only float32 activations of one sequence, over
+a cache without a window, come here; anything else runs torch's forward over the same quantized weights.
 """
 
 from __future__ import annotations
