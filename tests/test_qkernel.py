@@ -58,6 +58,17 @@ def test_a_product_is_the_weights_product_to_the_activations_rounding(bits, rows
     assert torch.equal(linear(x[:1]), got[:1])  # a row's product does not depend on the rows beside it
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_int4_quantization_is_the_reference_one_bit_for_bit(dtype):
+    torch.manual_seed(2)
+    weight = (torch.randn(70, 96) * 0.05).to(dtype)
+    weight[3, :32] = 0.25  # a constant group: its scale is float16's smallest normal
+    weight[5, 32:64] = torch.linspace(-1e-3, 1e-3, 32)  # a scale below float16's normals
+    q, d, mins = quantize.int4_pairs(weight, 32)
+    codes, d2, mins2 = qkernel.quantize_q4(weight, rows_at_once=16)  # several chunks, a partial last one
+    assert torch.equal(codes, qkernel.pack_q4(q)) and torch.equal(d2, d) and torch.equal(mins2, mins)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_fused_products_equal_the_separate_ones_bit_for_bit(bits):
     torch.manual_seed(1)

@@ -39,7 +39,7 @@ SOURCE = Path(__file__).with_name("qmatmul.c")
 GROUP = 32
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 ACTIVATIONS = torch.int16  # the activation codes' type (qmatmul.c's act_t)
-ABI_VERSION = 8
+ABI_VERSION = 9
 _lock = threading.Lock()
 _reason: list[str] = []  # why the kernels are not available (set once, by ``library``)
 
@@ -112,6 +112,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kv_matmul_q4.restype = None
     lib.kv_matmul_q8.argtypes = [p, p, i64, p, p, i64, i64, p]
     lib.kv_matmul_q8.restype = None
+    lib.kv_quantize_q4.argtypes = [p, i64, i64, p, p, p]
+    lib.kv_quantize_q4.restype = None
     lib.kv_layer_qkv.argtypes = lib.kv_layer_rest.argtypes = [p, p]  # kv_layer, kv_call (kvsnap.models.qstep)
     lib.kv_layer_qkv.restype = lib.kv_layer_rest.restype = None
     return lib
@@ -201,6 +203,23 @@ def _q8(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales: torch.Te
     lib.kv_matmul_q8(xq.data_ptr(), xd.data_ptr(), x.shape[0], codes.data_ptr(), scales.data_ptr(), n, k,
                      out.data_ptr())  # fmt: skip
     return out
+
+
+def quantize_q4(weight: torch.Tensor, rows_at_once: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight`` [N, K] as int4 codes packed for the kernel [N, K / 2], d and mins float16 [N, K / 32]:
+    ``quantize.int4_pairs`` then ``pack_q4``, bit for bit, in one pass (``rows_at_once`` rows of float32
+    temporaries at a time)."""
+    n, k = weight.shape
+    codes = torch.empty(n, k // 2, dtype=torch.uint8)
+    d = torch.empty(n, k // GROUP, dtype=torch.float16)
+    mins = torch.empty_like(d)
+    lib = library()
+    for start in range(0, n, rows_at_once):
+        rows = weight[start : start + rows_at_once].detach().to(torch.float32).contiguous()
+        lib.kv_quantize_q4(
+            rows.data_ptr(), rows.shape[0], k, codes[start].data_ptr(), d[start].data_ptr(), mins[start].data_ptr()
+        )
+    return codes, d, mins
 
 
 def pack_q4(q: torch.Tensor) -> torch.Tensor:

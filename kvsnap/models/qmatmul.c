@@ -381,6 +381,39 @@ void kv_layers(int64_t n_layers, const kv_layer *layers, kv_call *c, float *cons
     }
 }
 
-int kv_abi_version(void) { return 8; }
+/* Weights to int4 in groups of 32, as kvsnap.models.quantize.int4_pairs does (the same float32 arithmetic,
+ * float16 rounding to nearest even, codes rounded half to even): w [N, K] float32 in, codes [N, K / 2]
+ * (element j low nibble, j + 16 high), d and mins float16 [N, K / 32] out. */
+void kv_quantize_q4(const float *w, int64_t N, int64_t K, uint8_t *codes, uint16_t *d, uint16_t *mins) {
+    const int64_t G = K / GROUP;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < N * G; r++) {
+        const float *src = w + r * GROUP;
+        float low = src[0], high = src[0];
+        for (int i = 1; i < GROUP; i++) {
+            low = fminf(low, src[i]);
+            high = fmaxf(high, src[i]);
+        }
+        const uint16_t scale_h = _cvtss_sh((high - low) / 15.0f, _MM_FROUND_TO_NEAREST_INT);
+        float scale = _cvtsh_ss(scale_h);
+        uint16_t scale_bits = scale_h;
+        if (!(scale >= 6.103515625e-05f)) { /* float16's smallest normal, as the clamp in int4_pairs */
+            scale = 6.103515625e-05f;
+            scale_bits = 0x0400;
+        }
+        const uint16_t low_h = _cvtss_sh(low, _MM_FROUND_TO_NEAREST_INT);
+        const float low_f = _cvtsh_ss(low_h);
+        uint8_t *out = codes + r * (GROUP / 2);
+        for (int j = 0; j < GROUP / 2; j++) {
+            const float a = nearbyintf((src[j] - low_f) / scale), b = nearbyintf((src[j + 16] - low_f) / scale);
+            const int qa = a < 0.0f ? 0 : a > 15.0f ? 15 : (int)a, qb = b < 0.0f ? 0 : b > 15.0f ? 15 : (int)b;
+            out[j] = (uint8_t)(qa | (qb << 4));
+        }
+        d[r] = scale_bits;
+        mins[r] = low_h;
+    }
+}
+
+int kv_abi_version(void) { return 9; }
 
 

@@ -155,7 +155,7 @@ class QuantizedLinear(nn.Module):
         if bits == 4 and self.in_features % group:
             bits = 8  # the kernels take whole groups only
         self.bits, self.group = bits, group
-        self.kernel = "a16" if kernel_for(weight.device, self.in_features) else "bf16"
+        self.kernel = "a16" if group == qkernel.GROUP and kernel_for(weight.device, self.in_features) else "bf16"
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.q4 = None  # the GPU path's plain codes
         if bits == 8:
@@ -164,8 +164,8 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("scales", scales if self.kernel == "a16" else scales.to(COMPUTE_DTYPE))
             self.mins = None
         elif self.kernel == "a16":
-            q, d, mins = int4_pairs(weight, group)
-            self.register_buffer("qweight", qkernel.pack_q4(q))
+            codes, d, mins = qkernel.quantize_q4(weight, ROWS_AT_ONCE)  # int4_pairs + pack_q4, in C
+            self.register_buffer("qweight", codes)
             self.register_buffer("scales", d)
             self.register_buffer("mins", mins)
         else:
