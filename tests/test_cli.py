@@ -335,10 +335,13 @@ def test_help_fits_a_screen_and_help_all_documents_every_option(command):
         assert option.opts[0] in full.output, option.opts[0]
 
 
-def test_version_has_a_short_flag_and_the_shell_completes_commands():
+def test_version_has_a_short_flag_and_the_shell_completes_commands(monkeypatch):
     assert invoke("-V").stdout == invoke("--version").stdout == f"kvsnap {__import__('kvsnap').__version__}\n"
     env = {"_KVSNAP_COMPLETE": "complete_bash", "COMP_WORDS": "kvsnap mod", "COMP_CWORD": "1"}
     completed = runner.invoke(app, [], env=env, prog_name="kvsnap")
     assert completed.stdout.split() == ["models"]
-    shown = invoke("--show-completion", "bash")
+    # --show-completion detects the shell from the process tree: a run with no shell above it (a detached
+    # CI job) would find none. The user's shell here is bash.
+    monkeypatch.setattr("shellingham.detect_shell", lambda *args, **kwargs: ("bash", "/bin/bash"))
+    shown = invoke("--show-completion")
     assert shown.exit_code == 0 and "_KVSNAP_COMPLETE=complete_bash" in shown.stdout
