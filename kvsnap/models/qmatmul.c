@@ -105,15 +105,6 @@ static inline float dot_q4(const act_t *xq, const float *xd, const float *xs, co
     return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]))) + extra;
 }
 
-void kv_matmul_q4(const act_t *xq, const float *xd, const float *xs, int64_t M, const uint8_t *codes,
-                  const uint16_t *d, const uint16_t *mins, int64_t N, int64_t K, float *out) {
-    const int64_t G = K / GROUP;
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t m = 0; m < M; m++)
-            out[m * N + n] = dot_q4(xq + m * K, xd + m * G, xs + m * G, codes + n * (K / 2), d + n * G, mins + n * G, G);
-}
-
 /* out[m, n] = sum_k w[n, k] * x[m, k] over int8 weights (one scale per row). out: float [M, N]. */
 static inline float dot_q8(const act_t *xq, const float *xd, const int8_t *wrow, int64_t G) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
@@ -129,14 +120,6 @@ static inline float dot_q8(const act_t *xq, const float *xd, const int8_t *wrow,
         acc0 = _mm256_fmadd_ps(_mm256_set1_ps(xd[g]), _mm256_cvtepi32_ps(p0), acc0);
     }
     return hsum(_mm256_add_ps(acc0, acc1));
-}
-
-void kv_matmul_q8(const act_t *xq, const float *xd, int64_t M, const int8_t *codes, const float *s, int64_t N,
-                  int64_t K, float *out) {
-    const int64_t G = K / GROUP;
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t m = 0; m < M; m++) out[m * N + n] = dot_q8(xq + m * K, xd + m * G, codes + n * K, G) * s[n];
 }
 
 /* -- a layer's forward over M rows (kvsnap.models.qstep) ---------------------------------------------
@@ -178,11 +161,21 @@ typedef struct {
 
 /* out[M, N] = x[M, K] W^T + bias (x's rows ldx floats apart), the activations quantized into xq [M, K], xd
  * and xs [M, K / 32]. Called by every thread of a parallel region: the work is shared with `omp for`. */
+static void products_team(const kv_matrix *w, const act_t *xq, const float *xd, const float *xs, int64_t M,
+                          float *out);
+
 static void product_team(const kv_matrix *w, const float *x, int64_t ldx, int64_t M, float *out, act_t *xq, float *xd,
                          float *xs) {
     const int64_t G = w->k / GROUP;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < M * G; r++) quantize_group(x + (r / G) * ldx + (r % G) * GROUP, xq, xd, xs, r);
+    products_team(w, xq, xd, xs, M, out);
+}
+
+/* out[M, N] = xq W^T + bias over activations quantized already; shared like product_team. */
+static void products_team(const kv_matrix *w, const act_t *xq, const float *xd, const float *xs, int64_t M,
+                          float *out) {
+    const int64_t G = w->k / GROUP;
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < w->n; n++) {
         for (int64_t m = 0; m < M; m++) {
@@ -412,6 +405,22 @@ void kv_quantize_q4(const float *w, int64_t N, int64_t K, uint8_t *codes, uint16
         d[r] = scale_bits;
         mins[r] = low_h;
     }
+}
+
+/* out[M, N] = x W^T over int4 weights, x quantized already (kv_quantize_rows). */
+void kv_matmul_q4(const act_t *xq, const float *xd, const float *xs, int64_t M, const uint8_t *codes,
+                  const uint16_t *d, const uint16_t *mins, int64_t N, int64_t K, float *out) {
+    const kv_matrix w = {4, codes, d, mins, NULL, N, K};
+#pragma omp parallel
+    products_team(&w, xq, xd, xs, M, out);
+}
+
+/* out[M, N] = x W^T over int8 weights, x quantized already (kv_quantize_rows). */
+void kv_matmul_q8(const act_t *xq, const float *xd, int64_t M, const int8_t *codes, const float *s, int64_t N,
+                  int64_t K, float *out) {
+    const kv_matrix w = {8, codes, s, NULL, NULL, N, K};
+#pragma omp parallel
+    products_team(&w, xq, xd, NULL, M, out);
 }
 
 int kv_abi_version(void) { return 9; }
