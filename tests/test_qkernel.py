@@ -80,10 +80,10 @@ def test_fused_products_equal_the_separate_ones_bit_for_bit(bits):
     assert torch.equal(torch.cat([p(x) for p in parts], dim=-1), separate)  # the parts now view its codes
 
 
-def _chunked(lm, chunk: int):
+def _chunked(lm, chunk: int, ids=IDS):
     runner, cache, pos = Runner(lm), KVCache(lm.config), 0
-    while pos < len(IDS):
-        logits = runner.forward(cache, IDS[pos : pos + chunk], pos)
+    while pos < len(ids):
+        logits = runner.forward(cache, ids[pos : pos + chunk], pos)
         pos += chunk
     return logits, cache
 
@@ -95,6 +95,19 @@ def test_a_token_computes_the_same_kv_and_logits_in_any_chunking(int4, arch):
     whole, cache = _chunked(lm, len(IDS))
     for chunk in (1, 3, 7):
         logits, other = _chunked(lm, chunk)
+        assert torch.equal(logits, whole), chunk
+        for a, b in zip(cache.layers, other.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_a_long_prompt_computes_the_same_kv_and_logits_in_any_chunking(int4):
+    """Past the attention's blocks of positions (256 per score task, 64 per pass over the values) and with
+    a one-chunk prompt large enough that its rows' scores are taken a tile of rows at a time."""
+    lm = int4["llama"]
+    ids = [5 + (i * 7) % 50 for i in range(1100)]  # 4 heads x 1,100 positions x 1,100 rows: over one tile
+    whole, cache = _chunked(lm, len(ids), ids)
+    for chunk in (1, 257):
+        logits, other = _chunked(lm, chunk, ids)
         assert torch.equal(logits, whole), chunk
         for a, b in zip(cache.layers, other.layers):
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

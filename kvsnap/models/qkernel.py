@@ -39,7 +39,7 @@ SOURCE = Path(__file__).with_name("qmatmul.c")
 GROUP = 32
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 ACTIVATIONS = torch.int16  # the activation codes' type (qmatmul.c's act_t)
-ABI_VERSION = 9
+ABI_VERSION = 10
 _lock = threading.Lock()
 _reason: list[str] = []  # why the kernels are not available (set once, by ``library``)
 
@@ -115,7 +115,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kv_quantize_q4.argtypes = [p, i64, i64, p, p, p]
     lib.kv_quantize_q4.restype = None
     lib.kv_layer_qkv.argtypes = lib.kv_layer_rest.argtypes = [p, p]  # kv_layer, kv_call (kvsnap.models.qstep)
-    lib.kv_layer_qkv.restype = lib.kv_layer_rest.restype = None
+    lib.kv_layer_qkv.restype = None
+    lib.kv_layer_rest.restype = ctypes.c_int  # -1: no memory for the scores
     return lib
 
 

@@ -18,6 +18,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define GROUP 32
 
@@ -286,40 +287,104 @@ void kv_layer_qkv(const kv_layer *layer, const kv_call *c) {
     }
 }
 
-/* The rest of a layer, x [M, hidden] updated in place. Row m (position length - M + m) attends to the
- * cached positions 0..length - M + m; q: row m's at q + m * q_stride. keys/values: [kv_heads, positions,
- * head_dim] with the given strides (in floats). Then the output projection and residual, the MLP's norm,
- * gate/up ([gate | up]), silu(gate) * up, down and the residual. Scratch: attn [M, heads * head_dim],
- * h [M, hidden], act [M, 2 * inter], xq/xd/xs for the widest input. */
-void kv_layer_rest(const kv_layer *layer, const kv_call *c) {
-    const int64_t M = c->m, heads = layer->heads, kv_heads = layer->kv_heads, head_dim = layer->head_dim;
-    const int64_t groups = heads / kv_heads, hidden = layer->hidden, inter = layer->inter, length = c->length;
-    const int64_t q_stride = layer->qkv.n, head_stride = c->head_stride, pos_stride = c->pos_stride;
-    const float scale = layer->scale, *q = c->qkv, *keys = c->keys, *values = c->values;
-    float *x = c->x, *attn = c->attn, *h = c->h, *act = c->act, *xd = c->xd, *xs = c->xs;
-    act_t *xq = c->xq;
-    const kv_matrix *o = &layer->o, *gate_up = &layer->gate_up, *down = &layer->down;
-#pragma omp parallel
-    {
-        float *sc = (float *)malloc(sizeof(float) * (size_t)(length > 0 ? length : 1));
+/* Attention is computed for a tile of rows at a time, in three shared passes: the scores (each block of 8
+ * keys is read once for every row and query head of its kv head), each (row, head)'s softmax, and the
+ * weighted values (each value row's 16 outputs read once for a tile's rows and heads, accumulated in
+ * registers up to four heads at a time). For every (row, head, output) the arithmetic is a fixed sequence
+ * whatever the tile, the split between threads or M: dots8 for each whole block of 8 positions from 0 and
+ * dot_f32 for the rest, the max, the exponentials summed in one order, then one fused multiply-add per
+ * position in order, scaled by 1 / sum at the end. */
+#define POS_BLOCK 256            /* positions per score task (a multiple of 8) */
+#define PV_BLOCK 64              /* positions whose values stay in L1 while a tile's rows use them */
+#define HEAD_BATCH 4             /* query heads accumulated in registers together */
+#define SCORE_BUDGET (1L << 22)  /* floats of scores a tile of rows may hold */
+
+typedef struct {
+    const float *q, *keys, *values;
+    float *attn, *scores, *inv;
+    int64_t m, heads, kv_heads, head_dim, q_stride, head_stride, pos_stride, length, tile;
+    float scale;
+} attention_job;
+
+/* acc[h] (nv vectors of 8 outputs each) += p[h][l] * v[l] for l in [l0, l1); nh and nv constants once
+ * inlined, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void weigh_values(int nh, int nv, const float *v, int64_t pos_stride,
+                                                               const float *const *p, float *const *out,
+                                                               int64_t l0, int64_t l1) {
+    __m256 acc[HEAD_BATCH][4];
+    for (int h = 0; h < nh; h++)
+        for (int j = 0; j < nv; j++) acc[h][j] = _mm256_loadu_ps(out[h] + 8 * j);
+    for (int64_t l = l0; l < l1; l++) {
+        __m256 vl[4];
+        for (int j = 0; j < nv; j++) vl[j] = _mm256_loadu_ps(v + l * pos_stride + 8 * j);
+        for (int h = 0; h < nh; h++) {
+            const __m256 w = _mm256_broadcast_ss(p[h] + l);
+            for (int j = 0; j < nv; j++) acc[h][j] = _mm256_fmadd_ps(w, vl[j], acc[h][j]);
+        }
+    }
+    for (int h = 0; h < nh; h++)
+        for (int j = 0; j < nv; j++) _mm256_storeu_ps(out[h] + 8 * j, acc[h][j]);
+}
+
+static void weigh_values_n(int nh, int nv, const float *v, int64_t pos_stride, const float *const *p,
+                           float *const *out, int64_t l0, int64_t l1) {
+#define WEIGH(NH)                                                                                        \
+    case NH:                                                                                             \
+        if (nv == 4) weigh_values(NH, 4, v, pos_stride, p, out, l0, l1);                                 \
+        else if (nv == 2) weigh_values(NH, 2, v, pos_stride, p, out, l0, l1);                            \
+        else weigh_values(NH, 1, v, pos_stride, p, out, l0, l1);                                         \
+        break;
+    switch (nh) {
+        WEIGH(1)
+        WEIGH(2)
+        WEIGH(3)
+        WEIGH(4)
+    }
+#undef WEIGH
+}
+
+static void attention_team(const attention_job *a) {
+    const int64_t M = a->m, heads = a->heads, kv_heads = a->kv_heads, head_dim = a->head_dim;
+    const int64_t groups = heads / kv_heads, pos_stride = a->pos_stride, row_width = heads * head_dim;
+    /* outputs per value task: 32 (four vectors) where a batch's accumulators fit the 16 registers */
+    const int64_t nv = head_dim % 32 == 0 && groups <= 3 ? 4 : head_dim % 16 == 0 ? 2 : 1, chunks = head_dim / (8 * nv);
+    for (int64_t r0 = 0; r0 < M; r0 += a->tile) {
+        const int64_t rows = M - r0 < a->tile ? M - r0 : a->tile, first = a->length - M + r0 + 1;
+        const int64_t span = first + rows - 1; /* the last row's positions, the scores' row stride */
+        const int64_t blocks = (span + POS_BLOCK - 1) / POS_BLOCK;
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < M * heads; task++) {
-            const int64_t m = task / heads, hq = task % heads, seen = length - M + m + 1;
-            const float *qh = q + m * q_stride + hq * head_dim;
-            const float *kh = keys + (hq / groups) * head_stride, *vh = values + (hq / groups) * head_stride;
-            float *oh = attn + m * heads * head_dim + hq * head_dim;
+        for (int64_t task = 0; task < kv_heads * blocks; task++) {
+            const int64_t kh = task / blocks, l_start = (task % blocks) * POS_BLOCK;
+            const int64_t l_end = l_start + POS_BLOCK < span ? l_start + POS_BLOCK : span;
+            const float *kh_keys = a->keys + kh * a->head_stride;
+            for (int64_t l0 = l_start; l0 < l_end; l0 += 8) {
+                const float *k = kh_keys + l0 * pos_stride;
+                for (int64_t r = 0; r < rows; r++) {
+                    const int64_t seen = first + r;
+                    if (l0 >= seen) continue;
+                    for (int64_t g = 0; g < groups; g++) {
+                        const int64_t hq = kh * groups + g;
+                        const float *qh = a->q + (r0 + r) * a->q_stride + hq * head_dim;
+                        float *sc = a->scores + (r * heads + hq) * span;
+                        if (l0 + 8 <= seen)
+                            _mm256_storeu_ps(sc + l0, _mm256_mul_ps(dots8(qh, k, pos_stride, head_dim),
+                                                                    _mm256_set1_ps(a->scale)));
+                        else
+                            for (int64_t l = l0; l < seen; l++)
+                                sc[l] = dot_f32(qh, kh_keys + l * pos_stride, head_dim) * a->scale;
+                    }
+                }
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < rows * heads; task++) { /* softmax: the max, exponentials, their sum */
+            const int64_t r = task / heads, hq = task % heads, seen = first + r;
+            float *sc = a->scores + task * span;
             int64_t l = 0;
             __m256 top8 = _mm256_set1_ps(-INFINITY);
-            for (; l + 8 <= seen; l += 8) {
-                const __m256 s8 = _mm256_mul_ps(dots8(qh, kh + l * pos_stride, pos_stride, head_dim), _mm256_set1_ps(scale));
-                _mm256_storeu_ps(sc + l, s8);
-                top8 = _mm256_max_ps(top8, s8);
-            }
+            for (; l + 8 <= seen; l += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(sc + l));
             float top = hmax(top8);
-            for (; l < seen; l++) {
-                sc[l] = dot_f32(qh, kh + l * pos_stride, head_dim) * scale;
-                top = fmaxf(top, sc[l]);
-            }
+            for (; l < seen; l++) top = fmaxf(top, sc[l]);
             __m256 total = _mm256_setzero_ps();
             for (l = 0; l + 8 <= seen; l += 8) {
                 const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sc + l), _mm256_set1_ps(top)));
@@ -331,20 +396,73 @@ void kv_layer_rest(const kv_layer *layer, const kv_call *c) {
                 sc[l] = expf(sc[l] - top);
                 sum += sc[l];
             }
-            const __m256 inv = _mm256_set1_ps(1.0f / sum);
-            for (int64_t i0 = 0; i0 < head_dim; i0 += 32) { /* 32 outputs at a time, in registers */
-                const int64_t width = head_dim - i0 < 32 ? (head_dim - i0) / 8 : 4;
-                __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-                for (l = 0; l < seen; l++) {
-                    const __m256 p = _mm256_broadcast_ss(sc + l);
-                    const float *vl = vh + l * pos_stride + i0;
-                    for (int64_t j = 0; j < width; j++) acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vl + 8 * j), acc[j]);
-                }
-                for (int64_t j = 0; j < width; j++) _mm256_storeu_ps(oh + i0 + 8 * j, _mm256_mul_ps(acc[j], inv));
-            }
+            a->inv[task] = 1.0f / sum;
+            (void)hq;
         }
-        free(sc);
-        product_team(o, attn, heads * head_dim, M, h, xq, xd, xs);
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < kv_heads * chunks; task++) {
+            const int64_t kh = task / chunks, i0 = (task % chunks) * 8 * nv;
+            const float *v = a->values + kh * a->head_stride + i0;
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t g = 0; g < groups; g++)
+                    memset(a->attn + (r0 + r) * row_width + (kh * groups + g) * head_dim + i0, 0,
+                           sizeof(float) * 8 * (size_t)nv);
+            for (int64_t l0 = 0; l0 < span; l0 += PV_BLOCK) {
+                for (int64_t r = 0; r < rows; r++) {
+                    const int64_t seen = first + r;
+                    if (l0 >= seen) continue;
+                    const int64_t l1 = l0 + PV_BLOCK < seen ? l0 + PV_BLOCK : seen;
+                    for (int64_t g0 = 0; g0 < groups; g0 += HEAD_BATCH) {
+                        const int nh = (int)(groups - g0 < HEAD_BATCH ? groups - g0 : HEAD_BATCH);
+                        const float *p[HEAD_BATCH];
+                        float *out[HEAD_BATCH];
+                        for (int h = 0; h < nh; h++) {
+                            const int64_t hq = kh * groups + g0 + h;
+                            p[h] = a->scores + (r * heads + hq) * span;
+                            out[h] = a->attn + (r0 + r) * row_width + hq * head_dim + i0;
+                        }
+                        weigh_values_n(nh, (int)nv, v, pos_stride, p, out, l0, l1);
+                    }
+                }
+            }
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t g = 0; g < groups; g++) {
+                    const int64_t hq = kh * groups + g;
+                    float *o = a->attn + (r0 + r) * row_width + hq * head_dim + i0;
+                    const __m256 inv = _mm256_set1_ps(a->inv[r * heads + hq]);
+                    for (int64_t j = 0; j < nv; j++) _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(_mm256_loadu_ps(o + 8 * j), inv));
+                }
+        }
+    }
+}
+
+/* The rest of a layer, x [M, hidden] updated in place. Row m (position length - M + m) attends to the
+ * cached positions 0..length - M + m; q: row m's at q + m * q_stride. keys/values: [kv_heads, positions,
+ * head_dim] with the given strides (in floats). Then the output projection and residual, the MLP's norm,
+ * gate/up ([gate | up]), silu(gate) * up, down and the residual. Scratch: attn [M, heads * head_dim],
+ * h [M, hidden], act [M, 2 * inter], xq/xd/xs for the widest input. Returns 0, or -1 where the scores'
+ * memory could not be had (nothing written). */
+int kv_layer_rest(const kv_layer *layer, const kv_call *c) {
+    const int64_t M = c->m, heads = layer->heads, hidden = layer->hidden, inter = layer->inter;
+    float *x = c->x, *attn = c->attn, *h = c->h, *act = c->act, *xd = c->xd, *xs = c->xs;
+    act_t *xq = c->xq;
+    const kv_matrix *o = &layer->o, *gate_up = &layer->gate_up, *down = &layer->down;
+    int64_t tile = SCORE_BUDGET / (heads * (c->length > 0 ? c->length : 1));
+    tile = tile < 1 ? 1 : tile > M ? M : tile;
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(tile * heads * (c->length > 0 ? c->length : 1)));
+    float *inv = (float *)malloc(sizeof(float) * (size_t)(tile * heads));
+    if (scores == NULL || inv == NULL) {
+        free(scores);
+        free(inv);
+        return -1;
+    }
+    const attention_job job = {c->qkv, c->keys, c->values, attn, scores, inv, M, heads, layer->kv_heads,
+                               layer->head_dim, layer->qkv.n, c->head_stride, c->pos_stride, c->length, tile,
+                               layer->scale};
+#pragma omp parallel
+    {
+        attention_team(&job);
+        product_team(o, attn, heads * layer->head_dim, M, h, xq, xd, xs);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < M * hidden; i++) x[i] += h[i];
         rms_norm_team(x, layer->norm_post, layer->eps_post, M, hidden, h);
@@ -358,20 +476,24 @@ void kv_layer_rest(const kv_layer *layer, const kv_call *c) {
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < M * hidden; i++) x[i] += h[i];
     }
+    free(scores);
+    free(inv);
+    return 0;
 }
 
 /* A decode step or chunk through every layer: layer l's cache at keys[l], values[l], its head and position
  * strides at strides[2 l], strides[2 l + 1]. */
-void kv_layers(int64_t n_layers, const kv_layer *layers, kv_call *c, float *const *keys, float *const *values,
-               const int64_t *strides) {
+int kv_layers(int64_t n_layers, const kv_layer *layers, kv_call *c, float *const *keys, float *const *values,
+              const int64_t *strides) {
     for (int64_t l = 0; l < n_layers; l++) {
         c->keys = keys[l];
         c->values = values[l];
         c->head_stride = strides[2 * l];
         c->pos_stride = strides[2 * l + 1];
         kv_layer_qkv(&layers[l], c);
-        kv_layer_rest(&layers[l], c);
+        if (kv_layer_rest(&layers[l], c) != 0) return -1;
     }
+    return 0;
 }
 
 /* Weights to int4 in groups of 32, as kvsnap.models.quantize.int4_pairs does (the same float32 arithmetic,
@@ -423,6 +545,6 @@ void kv_matmul_q8(const act_t *xq, const float *xd, int64_t M, const int8_t *cod
     products_team(&w, xq, xd, NULL, M, out);
 }
 
-int kv_abi_version(void) { return 9; }
+int kv_abi_version(void) { return 10; }
 
 

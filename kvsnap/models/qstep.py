@@ -234,7 +234,8 @@ def run(
     call.head_stride, call.pos_stride, call.length = keys.stride(1), keys.stride(2), keys.shape[2]
     layer, where = ctypes.byref(step.layer), ctypes.byref(call)
     lib.kv_layer_qkv(layer, where)
-    lib.kv_layer_rest(layer, where)
+    if lib.kv_layer_rest(layer, where) != 0:
+        raise _no_memory(m, call.length)
     return rows.view(x.shape)
 
 
@@ -293,5 +294,10 @@ def run_layers(decoder: Any, x: torch.Tensor, cos: torch.Tensor, sin_signed: tor
     call = _scratch_for(max(whole.steps, key=lambda s: s.layer.inter), m)
     call.x, call.m, call.cos, call.sin_signed = rows.data_ptr(), m, cos.data_ptr(), sin_signed.data_ptr()
     call.length = length
-    lib.kv_layers(len(whole.steps), whole.layers, ctypes.byref(call), whole.keys, whole.values, whole.strides)
+    if lib.kv_layers(len(whole.steps), whole.layers, ctypes.byref(call), whole.keys, whole.values, whole.strides):
+        raise _no_memory(m, length)
     return rows.view(x.shape)
+
+
+def _no_memory(m: int, length: int) -> MemoryError:
+    return MemoryError(f"no memory for the attention scores of {m} rows over {length} positions")
