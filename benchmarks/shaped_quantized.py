@@ -11,7 +11,14 @@ minus before, and the load's peak), the cold prefill, the snapshot save and rest
 the file's size, decode tokens/s after the context; then the CLI on the same folder: ``run --save``,
 ``run --resume``, a ``chat`` turn and ``run --store``, each checked to reuse what the one before kept.
 
+``--real-tokens R``: lengths over R are not prefilled. Their cache holds the KV of the longest real prefill
+(at most R tokens), repeated to the length, under that length's document ids: decode, save, restore and
+the file then cost what ``n`` positions cost (attention reads every position; the values' bytes are real
+KV), without a prefill that would take hours on 2 cores (the 8B at 16,384 tokens). Such rows say
+``filled from`` and have no prefill figure.
+
     .venv/bin/python benchmarks/shaped_quantized.py --shape llama-3.2-1b --lengths 4096 16384
+    .venv/bin/python benchmarks/shaped_quantized.py --shape llama-3-8b --lengths 4096 16384 --real-tokens 4096
 """
 
 from __future__ import annotations
@@ -112,19 +119,41 @@ def build(shape: str, out: Path, tokenizer_from: Path, seed: int = 0) -> Path:
     return out
 
 
-def measure(lm, folder: Path, n: int, new_tokens: int, work: Path) -> dict:
+def filled(lm, base, ids: list[int]):
+    """A session holding ``ids`` whose KV is ``base``'s, repeated to ``len(ids)`` positions."""
+    from kvsnap.engine.session import Session
+
+    session, n, have = Session(lm), len(ids), base.num_tokens
+    session.cache.reserve(n + 256, lm.layout, lm.device)
+    for src, dst in zip(base.cache.layers, session.cache.layers):
+        keys, values = dst.extend(n, src.keys[:, :, :1].expand(-1, -1, n, -1))
+        for start in range(0, n, have):
+            m = min(have, n - start)
+            keys[:, :, start : start + m].copy_(src.keys[:, :, :m])
+            values[:, :, start : start + m].copy_(src.values[:, :, :m])
+    session.tokens, session.last_logits = list(ids), base.last_logits
+    return session
+
+
+def measure(lm, folder: Path, n: int, new_tokens: int, work: Path, base=None) -> tuple[dict, object]:
+    """One length's row, and its session (``base``: fill from that session's KV instead of prefilling)."""
     from kvsnap.config import SamplingParams
     from kvsnap.engine.session import Session
 
     ids = document(lm.tokenizer, n)
-    session = Session(lm)
     t0 = time.perf_counter()
-    session.prefill(ids)
+    if base is None:
+        session = Session(lm)
+        session.prefill(ids)
+    else:
+        session = filled(lm, base, ids)
     prefill_s = time.perf_counter() - t0
     path = work / f"{n}.kv"
     t0 = time.perf_counter()
     session.save(path)
     save_s = time.perf_counter() - t0
+    if base is not None:
+        session = None  # a filled row's cache is not kept: the restore beside it must fit too
     kv_bytes = n * lm.layout.bytes_per_token  # raw, as restored into memory
     resumed = Session(lm)
     t0 = time.perf_counter()
@@ -135,10 +164,11 @@ def measure(lm, folder: Path, n: int, new_tokens: int, work: Path) -> dict:
     t0 = time.perf_counter()
     made = resumed.generate(params).token_ids
     decode = (len(made) - 1) / (time.perf_counter() - t0)
-    return {
+    row = {
         "tokens": n,
-        "prefill_s": prefill_s,
-        "prefill_tok_s": n / prefill_s,
+        "filled_from": base.num_tokens if base is not None else None,
+        "prefill_s": prefill_s if base is None else None,
+        "prefill_tok_s": n / prefill_s if base is None else None,
         "save_s": save_s,
         "save_gb_s": kv_bytes / save_s / 1e9,
         "restore_s": restore_s,
@@ -147,6 +177,7 @@ def measure(lm, folder: Path, n: int, new_tokens: int, work: Path) -> dict:
         "file_mb": path.stat().st_size / 1e6,
         "decode_tok_s": decode,
     }
+    return row, session
 
 
 def cli_checks(folder: Path, quantize: str, n: int, work: Path) -> dict:
@@ -194,6 +225,7 @@ def main() -> None:
     parser.add_argument("--folder", type=Path, help="where the model is (built there when absent)")
     parser.add_argument("--cli-tokens", type=int, default=256, help="prompt tokens of the CLI checks (0: skip)")
     parser.add_argument("--tokenizer-from", default="smollm2-135m", help="model whose tokenizer the folder gets")
+    parser.add_argument("--real-tokens", type=int, help="fill longer contexts from the longest real prefill")
     args = parser.parse_args()
 
     from kvsnap.models import load_model, resolve_model
@@ -211,12 +243,20 @@ def main() -> None:
         lm = load_model(str(folder), device="cpu", quantize=quantize)
         assert lm.backend == "native" and lm.quantization == quantize, (lm.backend, lm.quantization)
         with tempfile.TemporaryDirectory(prefix="kvsnap-shaped-") as tmp:
-            for n in args.lengths:
+            base = None
+            for n in sorted(args.lengths):
                 row = {"quantize": quantize, "weights_rss_gb": mem["rss"] / 1e9, "load_peak_gb": mem["peak"] / 1e9}
                 row["load_s"] = mem["load_s"]
-                row.update(measure(lm, folder, n, args.new_tokens, Path(tmp)))
+                fill = args.real_tokens is not None and n > args.real_tokens
+                if fill and base is None:
+                    raise SystemExit(f"--real-tokens {args.real_tokens}: no length at most that to fill {n} from")
+                measured, session = measure(lm, folder, n, args.new_tokens, Path(tmp), base if fill else None)
+                if not fill:
+                    base = session
+                row.update(measured)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+            del base
             if args.cli_tokens:
                 cli[quantize] = cli_checks(folder, quantize, args.cli_tokens, Path(tmp))
                 print(json.dumps(cli[quantize]), flush=True)
@@ -232,6 +272,7 @@ def main() -> None:
         ("load_peak_gb", "load peak GB", ".2f"),
         ("load_s", "load s", ".0f"),
         ("tokens", "tokens", "d"),
+        ("filled_from", "filled from", "d"),
         ("prefill_tok_s", "prefill tok/s", ".1f"),
         ("decode_tok_s", "decode tok/s", ".2f"),
         ("save_gb_s", "save GB/s", ".2f"),

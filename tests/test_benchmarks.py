@@ -275,10 +275,14 @@ def test_quantize_benchmark_reports_memory_speed_and_agreement_per_setting(bench
 def test_shaped_quantized_benchmark_builds_runs_saves_and_restores(bench, tiny_model_dir, tmp_path):
     folder = tmp_path / "shaped"
     args = ["--shape", "tiny", "--folder", str(folder), "--tokenizer-from", str(tiny_model_dir("llama"))]
-    out, data = bench("shaped_quantized", *args, "--lengths", "40", "--new-tokens", "3", "--cli-tokens", "0")
+    lengths = ["--lengths", "40", "100", "--real-tokens", "40"]
+    out, data = bench("shaped_quantized", *args, *lengths, "--new-tokens", "3", "--cli-tokens", "0")
     assert "tiny-shaped" in out
-    (row,) = data["rows"]
+    row, longer = data["rows"]
     assert row["tokens"] == 40 and row["quantize"] == "int4" and row["file_mb"] > 0
     assert row["save_gb_s"] > 0 and row["restore_gb_s"] > 0 and row["weights_rss_gb"] > 0
+    # Past --real-tokens: filled from the real prefill's KV, not prefilled, and its snapshot restores whole.
+    assert longer["tokens"] == 100 and longer["filled_from"] == 40 and longer["prefill_s"] is None
+    assert longer["kv_mb"] == 2.5 * row["kv_mb"] and longer["decode_tok_s"] > 0
     # One bfloat16 shard per layer, besides the embedding and the head.
     assert len(list(folder.glob("layer-*.safetensors"))) == 2
