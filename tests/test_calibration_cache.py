@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -14,7 +15,7 @@ from typer.testing import CliRunner
 from kvsnap.config import SamplingParams
 from kvsnap.engine import calibrate, costs
 from kvsnap.engine.session import Session
-from kvsnap.reuse import CostModel
+from kvsnap.reuse import CostModel, decide
 from kvsnap_cli.main import app
 
 GOOD = {"key": "", "prefill": [[64, 0.01], [256, 0.04]], "load_bytes_per_s": 1e9, "load_overhead_s": 0.001}
@@ -156,3 +157,21 @@ def test_a_smaller_context_is_measured_at_the_models_own_lengths(tiny_model_dir)
     model = calibrate.calibrate(small)
     assert [n for n, _ in model.prefill] == list(calibrate.LENGTHS)
     assert small.max_positions == 256 and costs.cached(small) == model
+
+
+def test_a_slow_prefill_is_timed_once_and_longer_lengths_are_not_measured(llama, monkeypatch, forward_counter):
+    """An 8B model on 2 CPU cores took over 20 minutes to calibrate at every length twice before its first
+    resume: once a prefill is long and loading clearly cheaper, longer lengths cannot turn the decision."""
+    real = calibrate.Session.prefill
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.3)  # a model this slow to prefill; its restores stay the tiny model's
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(calibrate.Session, "prefill", slow)
+    monkeypatch.setattr(calibrate, "LONG_S", 0.2)
+    counter = forward_counter(llama)
+    model = calibrate.calibrate(llama)
+    assert [n for n, _ in model.prefill] == [calibrate.LENGTHS[0]] and len(model.loads) == 1
+    assert counter.tokens == calibrate.LENGTHS[0]  # one timed prefill, not REPEATS
+    assert decide("auto", 64, model.loads[0][1], model).decision == "load"

@@ -24,6 +24,12 @@ from kvsnap.reuse import CostModel, fit_load
 
 LENGTHS = (64, 256, 1024)
 REPEATS = 2
+# A prefill that takes LONG_S is timed once, and once a length's prefill takes LONG_S and CLEAR_RATIO
+# times its restore, longer lengths are not measured: a prefill grows at least linearly with the tokens
+# and a restore linearly, so they could not turn the decision. Measuring every length twice would take
+# over 20 minutes for an 8B model on 2 CPU cores, before the first resume.
+LONG_S = 2.0
+CLEAR_RATIO = 4.0
 
 
 def cost_model(
@@ -54,27 +60,37 @@ def calibrate(lm: LoadedModel, *, progress: Callable[[str], None] | None = None)
     with tempfile.TemporaryDirectory() as tmp:
         for n in lengths:
             say(f"measuring load vs recompute for this model and dtype: {n} tokens")
-            best = float("inf")
             session = Session(lm, config)
-            for _ in range(REPEATS):
-                session.reset()
-                t0 = time.perf_counter()
-                session.prefill(ids[:n])
-                best = min(best, time.perf_counter() - t0)
-            prefill.append((n, best))
+            prefill.append((n, _best_of(_prefill, session, ids[:n])))
             path = Path(tmp) / f"{n}.kv"
             session.save(path)
-            stored = path.stat().st_size
-            best = float("inf")
-            for _ in range(REPEATS):
-                other = Session(lm, config)
-                t0 = time.perf_counter()
-                other.restore(path)
-                if lm.device.type == "cuda":
-                    torch.cuda.synchronize(lm.device)
-                best = min(best, time.perf_counter() - t0)
-            loads.append((n, stored, best))
+            loads.append((n, path.stat().st_size, _best_of(_restore, lm, config, path)))
+            if prefill[-1][1] >= max(LONG_S, CLEAR_RATIO * loads[-1][2]):
+                break
     rate, overhead = fit_load([(b, t) for _, b, t in loads])
     model = CostModel(costs.machine_key(lm), tuple(prefill), rate, overhead, tuple(loads))
     costs.keep(lm, model)
     return model
+
+
+def _best_of(run: Callable[..., None], *args: object) -> float:
+    """The shortest of REPEATS timed runs, or of one that took LONG_S."""
+    best = float("inf")
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        run(*args)
+        best = min(best, time.perf_counter() - t0)
+        if best >= LONG_S:
+            break
+    return best
+
+
+def _prefill(session: Session, ids: list[int]) -> None:
+    session.reset()
+    session.prefill(ids)
+
+
+def _restore(lm: LoadedModel, config: SessionConfig, path: Path) -> None:
+    Session(lm, config).restore(path)
+    if lm.device.type == "cuda":
+        torch.cuda.synchronize(lm.device)
