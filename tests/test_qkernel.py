@@ -88,16 +88,21 @@ def _chunked(lm, chunk: int, ids=IDS):
     return logits, cache
 
 
+def _assert_chunking_invariant(lm, ids, chunks) -> None:
+    """The logits and every layer's KV after ``ids`` in each chunk size equal those of one whole forward."""
+    whole, cache = _chunked(lm, len(ids), ids)
+    for chunk in chunks:
+        logits, other = _chunked(lm, chunk, ids)
+        assert torch.equal(logits, whole), chunk
+        for a, b in zip(cache.layers, other.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_token_computes_the_same_kv_and_logits_in_any_chunking(int4, arch):
     lm = int4[arch]
     assert lm.model.quantization == "int4-a16"
-    whole, cache = _chunked(lm, len(IDS))
-    for chunk in (1, 3, 7):
-        logits, other = _chunked(lm, chunk)
-        assert torch.equal(logits, whole), chunk
-        for a, b in zip(cache.layers, other.layers):
-            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    _assert_chunking_invariant(lm, IDS, (1, 3, 7))
 
 
 def test_a_long_prompt_computes_the_same_kv_and_logits_in_any_chunking(int4):
@@ -105,12 +110,7 @@ def test_a_long_prompt_computes_the_same_kv_and_logits_in_any_chunking(int4):
     a one-chunk prompt large enough that its rows' scores are taken a tile of rows at a time."""
     lm = int4["llama"]
     ids = [5 + (i * 7) % 50 for i in range(1100)]  # 4 heads x 1,100 positions x 1,100 rows: over one tile
-    whole, cache = _chunked(lm, len(ids), ids)
-    for chunk in (1, 257):
-        logits, other = _chunked(lm, chunk, ids)
-        assert torch.equal(logits, whole), chunk
-        for a, b in zip(cache.layers, other.layers):
-            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    _assert_chunking_invariant(lm, ids, (1, 257))
 
 
 @pytest.mark.parametrize("chunk", [1, 7])

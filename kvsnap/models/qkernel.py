@@ -117,6 +117,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kv_layer_qkv.argtypes = lib.kv_layer_rest.argtypes = [p, p]  # kv_layer, kv_call (kvsnap.models.qstep)
     lib.kv_layer_qkv.restype = None
     lib.kv_layer_rest.restype = ctypes.c_int  # -1: no memory for the scores
+    lib.kv_layers.argtypes = [i64, p, p, p, p, p]  # every layer: kv_layers in qmatmul.c
+    lib.kv_layers.restype = ctypes.c_int
     return lib
 
 

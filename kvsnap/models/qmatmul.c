@@ -289,8 +289,8 @@ void kv_layer_qkv(const kv_layer *layer, const kv_call *c) {
 
 /* Attention is computed for a tile of rows at a time, in three shared passes: the scores (each block of 8
  * keys is read once for every row and query head of its kv head), each (row, head)'s softmax, and the
- * weighted values (each value row's 16 outputs read once for a tile's rows and heads, accumulated in
- * registers up to four heads at a time). For every (row, head, output) the arithmetic is a fixed sequence
+ * weighted values (each value row's slice of 8-32 outputs read once for a tile's rows and heads,
+ * accumulated in registers up to four heads at a time). For every (row, head, output) the arithmetic is a fixed sequence
  * whatever the tile, the split between threads or M: dots8 for each whole block of 8 positions from 0 and
  * dot_f32 for the rest, the max, the exponentials summed in one order, then one fused multiply-add per
  * position in order, scaled by 1 / sum at the end. */
@@ -378,7 +378,7 @@ static void attention_team(const attention_job *a) {
         }
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < rows * heads; task++) { /* softmax: the max, exponentials, their sum */
-            const int64_t r = task / heads, hq = task % heads, seen = first + r;
+            const int64_t seen = first + task / heads;
             float *sc = a->scores + task * span;
             int64_t l = 0;
             __m256 top8 = _mm256_set1_ps(-INFINITY);
@@ -397,7 +397,6 @@ static void attention_team(const attention_job *a) {
                 sum += sc[l];
             }
             a->inv[task] = 1.0f / sum;
-            (void)hq;
         }
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < kv_heads * chunks; task++) {
@@ -447,9 +446,10 @@ int kv_layer_rest(const kv_layer *layer, const kv_call *c) {
     float *x = c->x, *attn = c->attn, *h = c->h, *act = c->act, *xd = c->xd, *xs = c->xs;
     act_t *xq = c->xq;
     const kv_matrix *o = &layer->o, *gate_up = &layer->gate_up, *down = &layer->down;
-    int64_t tile = SCORE_BUDGET / (heads * (c->length > 0 ? c->length : 1));
+    const int64_t positions = c->length > 0 ? c->length : 1;
+    int64_t tile = SCORE_BUDGET / (heads * positions);
     tile = tile < 1 ? 1 : tile > M ? M : tile;
-    float *scores = (float *)malloc(sizeof(float) * (size_t)(tile * heads * (c->length > 0 ? c->length : 1)));
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(tile * heads * positions));
     float *inv = (float *)malloc(sizeof(float) * (size_t)(tile * heads));
     if (scores == NULL || inv == NULL) {
         free(scores);
