@@ -80,6 +80,8 @@ def _param(*shape: int) -> nn.Parameter:
 class Linear(nn.Module):
     """``nn.Linear``'s parameters and forward, without its random initialisation."""
 
+    plain_product = True  # x @ W.T + b and nothing more: kvsnap.models.quantize may replace it
+
     def __init__(self, inputs: int, outputs: int, bias: bool):
         super().__init__()
         self.weight = _param(outputs, inputs)
@@ -106,6 +108,8 @@ class Linear(nn.Module):
 
 
 class Embedding(nn.Module):
+    plain_lookup = True  # a table lookup and nothing more: kvsnap.models.quantize may replace it
+
     def __init__(self, count: int, size: int):
         super().__init__()
         self.weight = _param(count, size)

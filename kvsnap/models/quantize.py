@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvsnap.errors import ConfigError
+from kvsnap.errors import ConfigError, UnsupportedModelError
 from kvsnap.models import exact as invariant
 from kvsnap.models import qkernel
 from kvsnap.quantization import KERNEL_SUFFIX
@@ -244,19 +244,51 @@ def _unpack_int4(layer: QuantizedLinear) -> torch.Tensor:
 
 
 class QuantizedEmbedding(nn.Module):
-    """An embedding table in int8 per row; a lookup dequantizes only the rows it takes."""
+    """An embedding table in int8 per row; a lookup dequantizes only the rows it takes.
 
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
+    ``embed_scale``: the factor a scaled embedding (Gemma 2/3's ``*ScaledWordEmbedding``) multiplies its rows
+    by, in the model's dtype as the original does; it stays out of the codes, so a tied lm_head shares them."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, embed_scale: torch.Tensor | None = None):
         super().__init__()
         q, scales = int8_rows(weight)
         self.kernel = "a16" if kernel_for(weight.device, weight.shape[1]) else "bf16"  # as a tied lm_head's
         self.register_buffer("qweight", q)  # [vocab, hidden]
         self.register_buffer("scales", scales if self.kernel == "a16" else scales.to(COMPUTE_DTYPE))  # [vocab]
         self.dtype = dtype
+        scale = None if embed_scale is None else embed_scale.detach().to(dtype).clone()
+        self.register_buffer("embed_scale", scale, persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = F.embedding(ids, self.qweight).to(self.dtype)
-        return rows * self.scales[ids].to(self.dtype)[..., None]
+        rows = rows * self.scales[ids].to(self.dtype)[..., None]
+        return rows if self.embed_scale is None else rows * self.embed_scale
+
+
+def embedding_scale(module: nn.Module) -> torch.Tensor | None:
+    """The factor ``module``'s lookup multiplies its rows by (None: a plain lookup), for the quantized embedding
+    to keep. Raises ``UnsupportedModelError`` for an embedding whose lookup does more than a quantized one can
+    reproduce: a model run without it would answer garbage, silently."""
+    kind = type(module)
+    if kind.forward is nn.Embedding.forward or getattr(kind, "plain_lookup", False):  # torch's, or kvsnap's own
+        return None
+    scale = getattr(module, "embed_scale", None)
+    if kind.__name__.endswith("ScaledWordEmbedding") and isinstance(scale, torch.Tensor) and scale.numel() == 1:
+        return scale  # lookup * embed_scale, as Gemma 2/3's forward computes it
+    raise UnsupportedModelError(
+        f"cannot quantize this model: its embedding ({kind.__name__}) does more than a table lookup; "
+        "run it with --quantize none"
+    )
+
+
+def check_linear(module: nn.Module, name: str) -> None:
+    """Refuse a linear layer whose forward does more than ``x @ W.T + b``: its quantized product would drop it."""
+    kind = type(module)
+    if isinstance(module, nn.Linear) and kind.forward is not nn.Linear.forward:
+        raise UnsupportedModelError(
+            f"cannot quantize this model: its layer {name} ({kind.__name__}) computes more than a linear product; "
+            "run it with --quantize none"
+        )
 
 
 # -- a model, one linear at a time -------------------------------------------------------------------
@@ -272,13 +304,15 @@ def apply(model: Any, mode: str, dtype: torch.dtype) -> None:
     embedding = getattr(embed_owner, embed_name)
     head = model.get_output_embeddings()
     tied = head is not None and getattr(head, "weight", None) is getattr(embedding, "weight", None)
-    for name, module in list(model.named_modules()):
-        if module is head or not _is_linear(module):
-            continue
+    scale = embedding_scale(embedding)  # refuses before any layer is replaced
+    linears = [(name, m) for name, m in model.named_modules() if m is not head and _is_linear(m)]
+    for name, module in linears + ([] if head is None else [("lm_head", head)]):
+        check_linear(module, name)
+    for name, module in linears:
         owner, attr = _owner(model, name)
         setattr(owner, attr, QuantizedLinear(module.weight, getattr(module, "bias", None), bits))
         module.weight = None  # the float weight goes now, not when the walk ends
-    quantized_embedding = QuantizedEmbedding(embedding.weight, dtype)
+    quantized_embedding = QuantizedEmbedding(embedding.weight, dtype, scale)
     setattr(embed_owner, embed_name, quantized_embedding)
     if head is not None:
         head_owner, head_name = _owner(model, _head_name(model, head))
@@ -316,7 +350,7 @@ def weight_bytes(model: Any) -> int:
 def _is_linear(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     return (
-        (isinstance(module, nn.Linear) or type(module).__name__ == "Linear")
+        (isinstance(module, nn.Linear) or getattr(type(module), "plain_product", False))
         and isinstance(weight, torch.Tensor)
         and weight.dim() == 2
     )

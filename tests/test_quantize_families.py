@@ -1,0 +1,119 @@
+"""A quantized model keeps whatever its family adds around the linears (``kvsnap.models.quantize``).
+
+Quantization swaps a model's linears and embedding for quantized ones; a family's own parts (Gemma's scaled
+embedding, Granite's multipliers, soft caps, norm offsets, tied heads) must survive the swap, or the model
+answers garbage while every product is right. Each family's quantized logits are compared with its float ones,
+teacher-forced over a text: a part that vanished moves them far past what quantization noise does.
+
+The tiny models here are built with a real model's weight scale (0.05, not the 0.25 other tests use to make
+attention sharp), so int4's rounding alone keeps the logits close and a lost part stands out.
+"""
+
+from __future__ import annotations
+
+import pytest
+import tiny_models
+import torch
+from torch import nn
+
+from kvsnap.errors import UnsupportedModelError
+from kvsnap.models import load_model, quantize
+
+FAMILIES = (*tiny_models.ARCHS, *tiny_models.SLIDING)
+# Granite 3's multipliers (its 2B config), so a quantized forward that dropped one would show it.
+OVERRIDES = {
+    "granite": {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "logits_scaling": 8.0},
+}
+MIN_COSINE = {"int8": 0.97, "int4": 0.90}
+TEXT = " ".join(tiny_models.CORPUS)
+
+
+@pytest.fixture(scope="module")
+def family_dir(tmp_path_factory):
+    base = tmp_path_factory.mktemp("families")
+
+    def get(arch: str):
+        folder = base / arch
+        if not folder.exists():
+            tiny_models.build_tiny_model(folder, arch, initializer_range=0.05, **OVERRIDES.get(arch, {}))
+        return folder
+
+    return get
+
+
+def _logits(lm, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return lm.model(torch.tensor([ids])).logits[0].float()  # [T, vocab], teacher-forced
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_quantized_logits_follow_the_float_ones_in_every_family(family_dir, arch):
+    folder = str(family_dir(arch))
+    float_lm = load_model(folder, device="cpu", quantize="none")
+    ids = float_lm.tokenizer(TEXT)["input_ids"]
+    assert len(ids) > 100
+    reference = _logits(float_lm, ids)
+    for mode, floor in MIN_COSINE.items():
+        lm = load_model(folder, device="cpu", quantize=mode)
+        assert any(isinstance(m, quantize.QuantizedEmbedding) for m in lm.model.modules())
+        cosine = torch.nn.functional.cosine_similarity(_logits(lm, ids), reference, dim=-1).mean().item()
+        assert cosine >= floor, f"{arch} {mode}: logit cosine {cosine:.3f} against the float model"
+
+
+def test_a_scaled_embedding_keeps_its_scale(family_dir):
+    lm = load_model(str(family_dir("gemma3")), device="cpu", quantize="int8")
+    embedding = lm.model.get_input_embeddings()
+    assert isinstance(embedding, quantize.QuantizedEmbedding)
+    assert embedding.embed_scale is not None and embedding.embed_scale.item() == pytest.approx(64**0.5)
+    plain = load_model(str(family_dir("llama")), device="cpu", quantize="int8").model.get_input_embeddings()
+    assert plain.embed_scale is None
+
+
+class _ShiftedEmbedding(nn.Embedding):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) + 1.0
+
+
+class _GatedLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2.0
+
+
+def _transformers_model(folder: str, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("KVSNAP_NATIVE", "0")  # transformers' modules, which a model may subclass
+    return load_model(folder, device="cpu", quantize="none").model
+
+
+def test_an_embedding_or_linear_that_does_more_is_refused_and_left_as_it_was(family_dir, monkeypatch):
+    model = _transformers_model(str(family_dir("llama")), monkeypatch)
+    old = model.model.embed_tokens
+    shifted = _ShiftedEmbedding(old.num_embeddings, old.embedding_dim)
+    shifted.weight = old.weight
+    model.model.embed_tokens = shifted
+    with pytest.raises(UnsupportedModelError, match=r"embedding \(_ShiftedEmbedding\) does more than a table lookup"):
+        quantize.apply(model, "int8", torch.float32)
+    assert model.model.embed_tokens is shifted and isinstance(model.model.layers[0].mlp.up_proj, nn.Linear)
+
+    model = _transformers_model(str(family_dir("llama")), monkeypatch)
+    up = model.model.layers[1].mlp.up_proj
+    gated = _GatedLinear(up.in_features, up.out_features, bias=False)
+    gated.weight = up.weight
+    model.model.layers[1].mlp.up_proj = gated
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.1\.mlp\.up_proj \(_GatedLinear\)"):
+        quantize.apply(model, "int4", torch.float32)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, nn.Linear)  # nothing was replaced
+
+
+@pytest.mark.slow
+def test_the_default_models_quantized_answers_agree_with_its_float_ones(real_model_folder):
+    """Teacher-forced over a real report, the top token agrees with the float model's at most positions."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "examples" / "report.txt").read_text()
+    float_lm = load_model(str(real_model_folder), device="cpu", quantize="none")
+    ids = float_lm.tokenizer(text)["input_ids"][:512]
+    reference = _logits(float_lm, ids).argmax(-1)
+    for mode, floor in (("int8", 0.90), ("int4", 0.80)):
+        top = _logits(load_model(str(real_model_folder), device="cpu", quantize=mode), ids).argmax(-1)
+        agreement = (top == reference).float().mean().item()
+        assert agreement >= floor, f"{mode}: top-1 agreement {agreement:.3f} with the float model"
