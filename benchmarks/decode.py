@@ -45,7 +45,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import describe, document, machine, table, write_json  # noqa: E402
 from kvsnap.config import DEFAULT_DTYPE, DEFAULT_MODEL, DEFAULT_QUANTIZE, SamplingParams  # noqa: E402
-from kvsnap.engine.cache import KVCache  # noqa: E402
+from kvsnap.engine.cache import KVCache, cache_for  # noqa: E402
 from kvsnap.engine.prepare import forward_kind, start_packing  # noqa: E402
 from kvsnap.engine.runner import Runner, generate  # noqa: E402
 from kvsnap.models import decode_step, load_model, packing  # noqa: E402
@@ -92,7 +92,7 @@ class KvsnapDecode:
         self.length = 0
 
     def prefill(self, ids: list[int]) -> None:
-        self.cache = KVCache(self.lm.config)
+        self.cache = cache_for(self.lm)
         self.cache.reserve(len(ids) + 256, self.lm.layout, self.lm.device)
         self.logits = self.runner.forward(self.cache, ids, 0)
         self.length = len(ids)

@@ -64,11 +64,11 @@ def prompts(tokenizer, count: int, length: int) -> list[list[int]]:
 def logits(lm, ids: list[int]):
     import torch
 
-    from kvsnap.engine.cache import KVCache
+    from kvsnap.engine.cache import cache_for
 
     # Over a cache, as every forward kvsnap runs (a quantized model on kvsnap's kernel needs one).
     with torch.inference_mode():
-        return lm.model(torch.tensor([ids]), cache=KVCache(lm.config)).logits[0].float()  # [len(ids), vocab]
+        return lm.model(torch.tensor([ids]), cache=cache_for(lm)).logits[0].float()  # [len(ids), vocab]
 
 
 def continuations(lm, starts: list[list[int]], new_tokens: int) -> list[list[int]]:

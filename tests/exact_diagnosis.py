@@ -57,10 +57,10 @@ def cuts(total: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
 def prefill_kv(lm, ids: Sequence[int], chunks: Sequence[tuple[int, int]], exact: bool):
     """Every layer's KV ([layers, 2, kv heads, tokens, dim]) and the last logits after prefilling ``ids``
     in ``chunks`` through the runner (what a session runs)."""
-    from kvsnap.engine.cache import KVCache
+    from kvsnap.engine.cache import cache_for
     from kvsnap.engine.runner import Runner
 
-    runner, cache = Runner(lm, exact=exact), KVCache(lm.config)
+    runner, cache = Runner(lm, exact=exact), cache_for(lm)
     logits = runner.prefill(cache, list(ids), list(chunks))
     return cache.span(0, len(ids)), logits
 

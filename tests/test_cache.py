@@ -149,7 +149,7 @@ def test_model_cache_round_trips_and_continues_identically(llama):
             out = lm.model(input_ids=ids, position_ids=pos, use_cache=True, **{lm.cache_kwarg: cache})
         return out.logits[0, -1]
 
-    live = kvcache.KVCache(lm.config)
+    live = kvcache.cache_for(lm)
     run(ids, live, 0)
     assert live.length == 30
     raws, sizes = blocks_of(live, 30, 8)

@@ -13,7 +13,7 @@ from exact_diagnosis import cuts, prefill_kv
 from test_native import NATIVE_ARCHS
 
 from kvsnap.config import SamplingParams
-from kvsnap.engine.cache import KVCache
+from kvsnap.engine.cache import cache_for
 from kvsnap.engine.prepare import start_packing
 from kvsnap.engine.runner import Runner
 from kvsnap.engine.session import Session
@@ -24,7 +24,7 @@ GREEDY = SamplingParams(temperature=0, max_new_tokens=8)
 
 def _steps(lm, ids: list[int], first: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Logits of a first chunk of ``first`` tokens and then of every later token alone; every layer's KV."""
-    runner, cache = Runner(lm), KVCache(lm.config)
+    runner, cache = Runner(lm), cache_for(lm)
     logits = [runner.forward(cache, ids[:first], 0)]
     logits += [runner.forward(cache, ids[i : i + 1], i) for i in range(first, len(ids))]
     return logits, cache.span(0, len(ids))

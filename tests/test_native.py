@@ -18,7 +18,7 @@ import pytest
 import torch
 from tiny_models import ARCHS
 
-from kvsnap.engine.cache import KVCache
+from kvsnap.engine.cache import cache_for
 from kvsnap.engine.runner import Runner
 from kvsnap.models import load_model, native, native_config
 
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _run(lm, ids: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Logits after a first chunk, a later chunk and two single tokens; then every layer's KV."""
     runner = Runner(lm)
-    cache = KVCache(lm.config)
+    cache = cache_for(lm)
     cuts = [(0, 9), (9, 20), (20, 21), (21, 22)]
     logits = [runner.forward(cache, ids[a:b], a) for a, b in cuts]
     return logits, cache.span(0, 22)

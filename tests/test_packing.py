@@ -17,7 +17,7 @@ from exact_diagnosis import cuts, prefill_kv
 from test_native import NATIVE_ARCHS, _run
 
 from kvsnap.config import SamplingParams
-from kvsnap.engine.cache import KVCache
+from kvsnap.engine.cache import cache_for
 from kvsnap.engine.prepare import forward_kind, start_packing
 from kvsnap.engine.runner import Runner
 from kvsnap.engine.session import Session
@@ -266,7 +266,7 @@ def test_one_row_products_run_unpacked_where_that_was_chosen(tiny_model_dir, mon
     assert all(_packed(lm)[:-1]) and lm.model.lm_head.packed is None
     assert forward_kind(lm) == "native forward, packed weights (one-row products unpacked: layers, lm_head)"
     calls = _count_packed_products(monkeypatch)
-    runner, cache = Runner(lm), KVCache(lm.config)
+    runner, cache = Runner(lm), cache_for(lm)
     runner.forward(cache, IDS[:9], 0)
     assert len(calls) == len(_packed(lm)) - 1  # the chunk: every layer's product packed, the lm_head not
     calls.clear()

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvsnap.config import SamplingParams
-from kvsnap.engine.cache import KVCache
+from kvsnap.engine.cache import cache_for
 from kvsnap.engine.runner import Runner
 from kvsnap.engine.session import Session
 from kvsnap.models import fused, load_model, qkernel, quantize
@@ -81,7 +81,7 @@ def test_fused_products_equal_the_separate_ones_bit_for_bit(bits):
 
 
 def _chunked(lm, chunk: int, ids=IDS):
-    runner, cache, pos = Runner(lm), KVCache(lm.config), 0
+    runner, cache, pos = Runner(lm), cache_for(lm), 0
     while pos < len(ids):
         logits = runner.forward(cache, ids[pos : pos + chunk], pos)
         pos += chunk

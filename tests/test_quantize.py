@@ -117,8 +117,10 @@ def test_explain_names_the_quantization_as_another_model(quantized, tmp_path):
     s.save(path)
     run = Session(quantized("none"), block_size=8, explain=True, on_mismatch="recompute")
     miss = run.run(IDS, SamplingParams(max_new_tokens=0), resume=path).miss
-    assert miss["cause"] == "model" and miss["differs"] == ["quantization"] and miss["reused_tokens"] == 0
+    # A quantized model's KV is float16 (its float model's float32): both are named.
+    assert miss["cause"] == "model" and miss["differs"] == ["kv_dtype", "quantization"] and miss["reused_tokens"] == 0
     assert f"weights quantized {quantized('int8').model.quantization}, not none (--quantize)" in miss["why"]
+    assert "KV dtype: float16, not float32" in miss["why"]
 
 
 def test_run_quantize_saves_and_resumes_and_a_float_resume_is_refused(tiny_model_dir, tmp_path):
@@ -159,3 +161,24 @@ def test_int4_codes_read_back_through_the_kernels_layout():
     assert bool((error <= step * 0.5 + 0.02).all())
     odd = quantize.QuantizedLinear(torch.randn(8, 40), None, bits=4)
     assert odd.bits == 8  # 40 inputs are no whole number of groups: kept in int8
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_quantized_model_keeps_its_kv_in_float16_and_its_snapshots_hold_half_the_bytes(quantized, mode, tmp_path):
+    lm, plain = quantized(mode), quantized("none")
+    assert (lm.layout.dtype, plain.layout.dtype) == ("float16", "float32")
+    assert lm.fingerprint_parts["kv_dtype"] == "float16"
+    s = Session(lm, block_size=8)
+    s.prefill(IDS)
+    assert all(layer.keys.dtype == torch.float16 for layer in s.cache.layers)
+    written = s.save(tmp_path / "q.kv")
+    f = Session(plain, block_size=8)
+    f.prefill(IDS)
+    float_written = f.save(tmp_path / "f.kv")
+    per_token = 2 * lm.layout.num_layers * lm.layout.num_kv_heads * lm.layout.head_dim * 2  # K and V, 2 bytes
+    assert written.kv_bytes == per_token * len(IDS) == float_written.kv_bytes // 2
+    # The float16 cache is the one the model computed with: restored, it continues as the live session does.
+    again = Session(lm, block_size=8)
+    assert again.restore(tmp_path / "q.kv", IDS + [7]).hit_tokens == len(IDS)
+    for a, b in zip(again.cache.layers, s.cache.layers):
+        assert torch.equal(a.keys[:, :, : len(IDS)], b.keys) and torch.equal(a.values[:, :, : len(IDS)], b.values)

@@ -33,6 +33,10 @@ class _Buffered:
     # The layer still holds every position, so blocks and snapshots stay per token for every layer;
     # only what the attention is handed is cut to the window.
     window: int | None = None
+    # The buffers' dtype, where it differs from the activations' (a quantized model's float16 KV under float32
+    # activations): an update stores the new rows rounded to it, and hands the attention every position back in
+    # the activations' dtype, the new rows as rounded as the ones read back later. None: the first update's.
+    dtype: torch.dtype | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -46,10 +50,11 @@ class _Buffered:
         self._vbuf[:, :, length:need].copy_(value_states)
         self.keys = self._kbuf[:, :, :need]
         self.values = self._vbuf[:, :, :need]
-        if self.window is None:
-            return self.keys, self.values
         start = self.first_visible(length)
-        return self.keys[:, :, start:], self.values[:, :, start:]
+        keys, values = self.keys[:, :, start:], self.values[:, :, start:]
+        if keys.dtype != key_states.dtype:
+            return keys.to(key_states.dtype), values.to(value_states.dtype)
+        return keys, values
 
     def extend(self, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``update`` without the copy: hold ``n`` more positions (their keys and values shaped as ``like``,
@@ -84,7 +89,7 @@ class _Buffered:
 
     def _grow(self, like: torch.Tensor, length: int, capacity: int) -> None:
         b, h, _, d = like.shape
-        kbuf = torch.empty((b, h, capacity, d), dtype=like.dtype, device=like.device)
+        kbuf = torch.empty((b, h, capacity, d), dtype=self.dtype or like.dtype, device=like.device)
         vbuf = torch.empty_like(kbuf)
         if length:
             kbuf[:, :, :length].copy_(self.keys)
@@ -94,7 +99,7 @@ class _Buffered:
     def attach(self, keys_buf: torch.Tensor, values_buf: torch.Tensor, length: int) -> None:
         """Hold ``length`` tokens that already sit at the start of the given [B, H, capacity, D] buffers."""
         self.lazy_initialization(keys_buf[:, :, :0], values_buf[:, :, :0])
-        self._kbuf, self._vbuf = keys_buf, values_buf
+        self._kbuf, self._vbuf, self.dtype = keys_buf, values_buf, keys_buf.dtype
         self.keys = keys_buf[:, :, :length]
         self.values = values_buf[:, :, :length]
 
@@ -124,15 +129,20 @@ class KVCache:
     native forward needs no transformers class, and so a process running it never imports
     transformers' cache module), else a ``DynamicCache`` subclass transformers' models accept,
     whose layers append in place and keep every position, a sliding-window layer's too. Only configs
-    that pass ``check_supported`` get here.
+    that pass ``check_supported`` get here. ``dtype``: the buffers' (``cache_for`` passes the model's KV dtype).
     """
 
     layers: list
 
-    def __new__(cls, config=None):
+    def __new__(cls, config=None, dtype: torch.dtype | None = None):
         if cls is KVCache:
             cls = PlainKVCache if getattr(config, "plain", False) else _transformers_classes()[1]
         return super().__new__(cls)
+
+    def hold_dtype(self, dtype: torch.dtype | None) -> None:
+        for layer in self.layers:
+            if isinstance(layer, _Buffered):
+                layer.dtype = dtype
 
     @property
     def length(self) -> int:
@@ -201,8 +211,9 @@ class KVCache:
 class PlainKVCache(KVCache):
     """The cache of the native forward: one ``PlainLayer`` per layer, the calls it makes."""
 
-    def __init__(self, config):
+    def __init__(self, config, dtype: torch.dtype | None = None):
         self.layers = [PlainLayer() for _ in range(config.num_hidden_layers)]
+        self.hold_dtype(dtype)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         return self.layers[layer_idx].update(key_states, value_states)
@@ -240,15 +251,21 @@ def _transformers_classes() -> tuple[type, type]:
             return length - start + query_length, start
 
     class TransformersKVCache(KVCache, DynamicCache):
-        def __init__(self, config):
+        def __init__(self, config, dtype: torch.dtype | None = None):
             DynamicCache.__init__(self, config=config)
             for i, layer in enumerate(self.layers):
                 if type(layer) is DynamicLayer:
                     self.layers[i] = BufferedLayer()
                 elif type(layer) is DynamicSlidingWindowLayer:  # check_supported let only true windows through
                     self.layers[i] = BufferedSlidingLayer(layer.sliding_window)
+            self.hold_dtype(dtype)
 
     return BufferedLayer, TransformersKVCache
+
+
+def cache_for(lm) -> KVCache:
+    """An empty cache for ``lm`` (a ``LoadedModel``), its buffers in the model's KV dtype."""
+    return KVCache(lm.config, TORCH_DTYPES[lm.layout.dtype])
 
 
 def cache_from_buffer(config, buf: torch.Tensor, length: int | None = None) -> KVCache:

@@ -17,7 +17,7 @@ import numpy as np
 
 from kvsnap import conversation, prefix, provenance
 from kvsnap.engine import arena
-from kvsnap.engine.cache import KVCache, cache_from_buffer
+from kvsnap.engine.cache import KVCache, cache_for, cache_from_buffer
 from kvsnap.engine.kv_transfer import KVTransfer
 from kvsnap.engine.results import RestoreStats
 from kvsnap.format import prefetch
@@ -107,7 +107,7 @@ def from_snapshot(
             messages = list(meta.messages) if (prompt_ids is None and meta.messages is not None) else None
             stats = RestoreStats(str(path), meta.num_tokens, 0, 0, time.perf_counter() - t0)
             dropped = meta.dropped_messages if messages is not None else 0
-            return Restored(KVCache(lm.config), [], None, {}, messages, stats, dropped)
+            return Restored(cache_for(lm), [], None, {}, messages, stats, dropped)
         if pre is not None:
             cache = cache_from_buffer(lm.config, arena.adopt(pre.kv, TORCH_DTYPES[lm.layout.dtype]), hit)
             stored = pre.stored

@@ -25,7 +25,7 @@ from kvsnap.engine import costs, snapshot_save, store_save
 from kvsnap.engine import explain_sources as explaining
 from kvsnap.engine import restore as restoring
 from kvsnap.engine import verify as verifying
-from kvsnap.engine.cache import KVCache
+from kvsnap.engine.cache import cache_for
 from kvsnap.engine.chat import chat_turn
 from kvsnap.engine.chat_template import render_chat
 from kvsnap.engine.contents import Contents
@@ -108,7 +108,7 @@ class Session:
         """Forget everything: tokens, cache, messages."""
         self.tokens: list[int] = []
         self.pending: list[int] = []
-        self.cache = KVCache(self.lm.config)
+        self.cache = cache_for(self.lm)
         self.last_logits: torch.Tensor | None = None
         self.messages: list[dict[str, str]] | None = None
         self.dropped_messages = 0  # of ``messages``, out of the model's view (kvsnap.engine.chat_view)

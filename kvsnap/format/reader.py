@@ -332,13 +332,18 @@ class Snapshot:
     ) -> None:
         """Refuse a snapshot written for another model, dtype or namespace, saying which differs."""
         m = self.meta
+        ours = fingerprint_parts or {}
+        # A float model records no quantization part: absent is "none".
+        theirs_q, ours_q = m.fingerprint_parts.get("quantization", "none"), ours.get("quantization", "none")
+        quantized_otherwise = bool(ours) and theirs_q != ours_q
         if m.layout != layout:
+            # A quantized model keeps another KV dtype than its float one: the quantization is what differs.
+            why = f": {quantization.refusal(theirs_q, ours_q)}" if quantized_otherwise else ""
             raise ForeignSnapshotError(
                 f"{self.path}: written for {m.model} (cache of {m.layout.describe()}), "
-                f"not for {model} (cache of {layout.describe()})"
+                f"not for {model} (cache of {layout.describe()}){why}"
             )
         if m.fingerprint != fingerprint:
-            ours = fingerprint_parts or {}
             differ = [
                 k
                 for k in ("weights", "tokenizer", "config", "kv_dtype")
@@ -350,9 +355,7 @@ class Snapshot:
                 "config": "config (architecture, RoPE, ...)",
                 "kv_dtype": "KV dtype",
             }
-            # A float model records no quantization part: absent is "none".
-            theirs_q, ours_q = m.fingerprint_parts.get("quantization", "none"), ours.get("quantization", "none")
-            if ours and theirs_q != ours_q:
+            if quantized_otherwise:
                 differ.append("quantization")
                 what["quantization"] = quantization.refusal(theirs_q, ours_q)
             why = f"different {', '.join(what[k] for k in differ)}; " if differ else ""

@@ -185,7 +185,7 @@ def load_model(
         config = _transformers_config(folder, mark)
     mark("config")  # with the import of transformers' config classes, unless native read it
     architecture.check_supported(config)
-    layout = architecture.layout_of(config, torch_dtype)
+    layout = architecture.layout_of(config, _kv_dtype(quantization, torch_dtype, dev))
     if check_layout is not None:
         check_layout(layout)
     if ctx_size is not None:  # before the weights load, like the layout
@@ -265,6 +265,16 @@ def _quantization(mode: str, folder: Path, device: Any) -> str:
         return "none"
     source = catalog.marker(folder).get("source") if mode == "auto" else None
     return quantize.resolve(mode, quantize.gguf_class(Path(source)) if isinstance(source, str) else None)
+
+
+def _kv_dtype(quantization: str, dtype: Any, device: Any) -> Any:
+    """The KV cache's dtype: a quantized model's on the CPU is float16 under float32 activations, as llama.cpp
+    keeps it (half the bytes for the attention to read and a snapshot to hold); any other model's, its own."""
+    import torch
+
+    if quantization != "none" and device.type == "cpu" and dtype == torch.float32:
+        return torch.float16
+    return dtype
 
 
 def _context_source(config, ctx_size: int | None) -> str:

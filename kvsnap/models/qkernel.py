@@ -39,7 +39,7 @@ SOURCE = Path(__file__).with_name("qmatmul.c")
 GROUP = 32
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 ACTIVATIONS = torch.int16  # the activation codes' type (qmatmul.c's act_t)
-ABI_VERSION = 10
+ABI_VERSION = 11
 _lock = threading.Lock()
 _reason: list[str] = []  # why the kernels are not available (set once, by ``library``)
 

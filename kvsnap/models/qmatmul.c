@@ -13,6 +13,8 @@
  *   int4 weights codes uint8 [N, K / 2]: a group's 16 bytes hold its elements j (low nibble) and j + 16
  *                (high nibble); d, m float16 [N, G]: w = d * code + m
  *   int8 weights codes int8 [N, K], s float [N]: w = s * code
+ *   the KV cache  float16 bits (kv_half): half a float32 cache's bytes for the attention to read, and a
+ *                snapshot's; written rounded to nearest even, as torch's .to(torch.float16) rounds
  */
 #include <immintrin.h>
 #include <math.h>
@@ -24,6 +26,10 @@
 
 typedef int16_t act_t; /* activation codes */
 #define ACT_MAX 32767.0f
+
+typedef uint16_t kv_half; /* a cached key or value, float16 bits */
+
+static inline __m256 load_half8(const kv_half *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -146,14 +152,14 @@ typedef struct {
 
 /* One call's rows, cache and scratch. x [M, hidden] is updated in place; qkv [M, q | k | v] is written by
  * kv_layer_qkv (which also writes k and v into the cache) and read by kv_layer_rest; keys/values: [kv_heads, positions, head_dim] with the given
- * strides (in floats), `length` positions once this call's are in. Scratch: h [M, max(hidden, inter)],
+ * strides (in elements), `length` positions once this call's are in. Scratch: h [M, max(hidden, inter)],
  * attn [M, heads * head_dim], act [M, 2 * inter], xq/xd/xs for M rows of the widest input. */
 typedef struct {
     float *x;
     int64_t m;
     const float *cos, *sin_signed; /* [M, head_dim] each; sin with its first half negated */
     float *qkv;
-    float *keys, *values; /* the new rows' k and v are written at positions length - M .. length - 1 */
+    kv_half *keys, *values; /* the new rows' k and v are written at positions length - M .. length - 1 */
     int64_t head_stride, pos_stride, length;
     float *h, *attn, *act;
     act_t *xq;
@@ -223,13 +229,13 @@ static inline __m256 exp_neg(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-/* Eight dot products of q with the rows k, k + stride, ..., k + 7 * stride (d a multiple of 8). */
-static inline __m256 dots8(const float *q, const float *k, int64_t stride, int64_t d) {
+/* Eight dot products of q with the cached rows k, k + stride, ..., k + 7 * stride (d a multiple of 8). */
+static inline __m256 dots8(const float *q, const kv_half *k, int64_t stride, int64_t d) {
     __m256 a[8];
     for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
     for (int64_t i = 0; i < d; i += 8) {
         const __m256 qv = _mm256_loadu_ps(q + i);
-        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * stride + i), a[j]);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, load_half8(k + j * stride + i), a[j]);
     }
     const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
     const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
@@ -244,13 +250,11 @@ static inline float hmax(__m256 v) {
     return _mm_cvtss_f32(m);
 }
 
-static inline float dot_f32(const float *a, const float *b, int64_t n) {
+/* q . k for one cached row k (n a multiple of 8, as the kernel forward's head_dim is). */
+static inline float dot_half(const float *q, const kv_half *k, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float s = hsum(acc);
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
+    for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load_half8(k + i), acc);
+    return hsum(acc);
 }
 
 /* The first half of a layer: out [M, q | k | v] of norm(x [M, hidden]), q and k rotated by each row's
@@ -280,8 +284,8 @@ void kv_layer_qkv(const kv_layer *layer, const kv_call *c) {
             const int64_t m = task / kv_heads, hd = task % kv_heads, at = hd * c->head_stride + (c->length - M + m) * c->pos_stride;
             const float *row = out + m * width + q_width + hd * head_dim;
             for (int64_t i = 0; i < head_dim; i++) {
-                c->keys[at + i] = row[i];
-                c->values[at + i] = row[kv_width + i];
+                c->keys[at + i] = _cvtss_sh(row[i], _MM_FROUND_TO_NEAREST_INT);
+                c->values[at + i] = _cvtss_sh(row[kv_width + i], _MM_FROUND_TO_NEAREST_INT);
             }
         }
     }
@@ -292,7 +296,7 @@ void kv_layer_qkv(const kv_layer *layer, const kv_call *c) {
  * weighted values (each value row's slice of 8-32 outputs read once for a tile's rows and heads,
  * accumulated in registers up to four heads at a time). For every (row, head, output) the arithmetic is a fixed sequence
  * whatever the tile, the split between threads or M: dots8 for each whole block of 8 positions from 0 and
- * dot_f32 for the rest, the max, the exponentials summed in one order, then one fused multiply-add per
+ * dot_half for the rest, the max, the exponentials summed in one order, then one fused multiply-add per
  * position in order, scaled by 1 / sum at the end. */
 #define POS_BLOCK 256            /* positions per score task (a multiple of 8) */
 #define PV_BLOCK 64              /* positions whose values stay in L1 while a tile's rows use them */
@@ -300,7 +304,8 @@ void kv_layer_qkv(const kv_layer *layer, const kv_call *c) {
 #define SCORE_BUDGET (1L << 22)  /* floats of scores a tile of rows may hold */
 
 typedef struct {
-    const float *q, *keys, *values;
+    const float *q;
+    const kv_half *keys, *values;
     float *attn, *scores, *inv;
     int64_t m, heads, kv_heads, head_dim, q_stride, head_stride, pos_stride, length, tile;
     float scale;
@@ -308,7 +313,7 @@ typedef struct {
 
 /* acc[h] (nv vectors of 8 outputs each) += p[h][l] * v[l] for l in [l0, l1); nh and nv constants once
  * inlined, so the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void weigh_values(int nh, int nv, const float *v, int64_t pos_stride,
+static inline __attribute__((always_inline)) void weigh_values(int nh, int nv, const kv_half *v, int64_t pos_stride,
                                                                const float *const *p, float *const *out,
                                                                int64_t l0, int64_t l1) {
     __m256 acc[HEAD_BATCH][4];
@@ -316,7 +321,7 @@ static inline __attribute__((always_inline)) void weigh_values(int nh, int nv, c
         for (int j = 0; j < nv; j++) acc[h][j] = _mm256_loadu_ps(out[h] + 8 * j);
     for (int64_t l = l0; l < l1; l++) {
         __m256 vl[4];
-        for (int j = 0; j < nv; j++) vl[j] = _mm256_loadu_ps(v + l * pos_stride + 8 * j);
+        for (int j = 0; j < nv; j++) vl[j] = load_half8(v + l * pos_stride + 8 * j);
         for (int h = 0; h < nh; h++) {
             const __m256 w = _mm256_broadcast_ss(p[h] + l);
             for (int j = 0; j < nv; j++) acc[h][j] = _mm256_fmadd_ps(w, vl[j], acc[h][j]);
@@ -326,7 +331,7 @@ static inline __attribute__((always_inline)) void weigh_values(int nh, int nv, c
         for (int j = 0; j < nv; j++) _mm256_storeu_ps(out[h] + 8 * j, acc[h][j]);
 }
 
-static void weigh_values_n(int nh, int nv, const float *v, int64_t pos_stride, const float *const *p,
+static void weigh_values_n(int nh, int nv, const kv_half *v, int64_t pos_stride, const float *const *p,
                            float *const *out, int64_t l0, int64_t l1) {
 #define WEIGH(NH)                                                                                        \
     case NH:                                                                                             \
@@ -356,9 +361,9 @@ static void attention_team(const attention_job *a) {
         for (int64_t task = 0; task < kv_heads * blocks; task++) {
             const int64_t kh = task / blocks, l_start = (task % blocks) * POS_BLOCK;
             const int64_t l_end = l_start + POS_BLOCK < span ? l_start + POS_BLOCK : span;
-            const float *kh_keys = a->keys + kh * a->head_stride;
+            const kv_half *kh_keys = a->keys + kh * a->head_stride;
             for (int64_t l0 = l_start; l0 < l_end; l0 += 8) {
-                const float *k = kh_keys + l0 * pos_stride;
+                const kv_half *k = kh_keys + l0 * pos_stride;
                 for (int64_t r = 0; r < rows; r++) {
                     const int64_t seen = first + r;
                     if (l0 >= seen) continue;
@@ -371,7 +376,7 @@ static void attention_team(const attention_job *a) {
                                                                     _mm256_set1_ps(a->scale)));
                         else
                             for (int64_t l = l0; l < seen; l++)
-                                sc[l] = dot_f32(qh, kh_keys + l * pos_stride, head_dim) * a->scale;
+                                sc[l] = dot_half(qh, kh_keys + l * pos_stride, head_dim) * a->scale;
                     }
                 }
             }
@@ -401,7 +406,7 @@ static void attention_team(const attention_job *a) {
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < kv_heads * chunks; task++) {
             const int64_t kh = task / chunks, i0 = (task % chunks) * 8 * nv;
-            const float *v = a->values + kh * a->head_stride + i0;
+            const kv_half *v = a->values + kh * a->head_stride + i0;
             for (int64_t r = 0; r < rows; r++)
                 for (int64_t g = 0; g < groups; g++)
                     memset(a->attn + (r0 + r) * row_width + (kh * groups + g) * head_dim + i0, 0,
@@ -437,7 +442,7 @@ static void attention_team(const attention_job *a) {
 
 /* The rest of a layer, x [M, hidden] updated in place. Row m (position length - M + m) attends to the
  * cached positions 0..length - M + m; q: row m's at q + m * q_stride. keys/values: [kv_heads, positions,
- * head_dim] with the given strides (in floats). Then the output projection and residual, the MLP's norm,
+ * head_dim] with the given strides (in elements). Then the output projection and residual, the MLP's norm,
  * gate/up ([gate | up]), silu(gate) * up, down and the residual. Scratch: attn [M, heads * head_dim],
  * h [M, hidden], act [M, 2 * inter], xq/xd/xs for the widest input. Returns 0, or -1 where the scores'
  * memory could not be had (nothing written). */
@@ -483,7 +488,7 @@ int kv_layer_rest(const kv_layer *layer, const kv_call *c) {
 
 /* A decode step or chunk through every layer: layer l's cache at keys[l], values[l], its head and position
  * strides at strides[2 l], strides[2 l + 1]. */
-int kv_layers(int64_t n_layers, const kv_layer *layers, kv_call *c, float *const *keys, float *const *values,
+int kv_layers(int64_t n_layers, const kv_layer *layers, kv_call *c, kv_half *const *keys, kv_half *const *values,
               const int64_t *strides) {
     for (int64_t l = 0; l < n_layers; l++) {
         c->keys = keys[l];
@@ -545,6 +550,6 @@ void kv_matmul_q8(const act_t *xq, const float *xd, int64_t M, const int8_t *cod
     products_team(&w, xq, xd, NULL, M, out);
 }
 
-int kv_abi_version(void) { return 10; }
+int kv_abi_version(void) { return 11; }
 
 

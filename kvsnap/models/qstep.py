@@ -16,7 +16,7 @@ parallel region each:
 is one layer, for a layer called as a module. Both run the same C per row, and every row's arithmetic
 is the same whatever the call holds: a token's KV and logits are the same bits in a decode step, in
 any chunk or in a whole prompt (tests/test_qkernel.py). Only float32 activations of one sequence, over
-a cache without a window, come here; anything else runs torch's forward over the same quantized weights.
+a float16 cache without a window, come here; anything else runs torch's forward over the same quantized weights.
 """
 
 from __future__ import annotations
@@ -162,8 +162,9 @@ def step_for(block: Any, x: torch.Tensor, cache: Any) -> LayerStep | None:
         return None
     if x.dtype != torch.float32 or (x.dim() == 3 and x.shape[0] != 1) or cache is None:
         return None
-    if getattr(cache.layers[block.self_attn.index], "window", None) is not None:
-        return None
+    layer_cache = cache.layers[block.self_attn.index]
+    if getattr(layer_cache, "window", None) is not None or getattr(layer_cache, "dtype", None) != torch.float16:
+        return None  # the kernel reads and writes a float16 cache without a window
     step = block.__dict__.get("kernel_step")
     if step is None or not step.fresh():
         step = LayerStep(block) if _kernel_layer(block) else None
@@ -214,7 +215,7 @@ def _extend(step: LayerStep, cache_layer: Any, m: int) -> tuple[torch.Tensor, to
     """The layer's cache with room for ``m`` more positions, as [1, kv_heads, length, head_dim] views the
     kernel writes the new rows' k and v into."""
     keys, values = cache_layer.extend(m, step.like)
-    if keys.stride(3) != 1 or values.stride() != keys.stride() or keys.dtype != torch.float32:
+    if keys.stride(3) != 1 or values.stride() != keys.stride() or keys.dtype != torch.float16:
         raise RuntimeError("a cache buffer the kernel cannot write")  # the buffers are the cache's own: never
     return keys, values
 
