@@ -12,8 +12,9 @@ from kvsnap_cli.common import guarded
 
 app = typer.Typer(
     help=(
-        "The models kvsnap keeps: GGUF files it converted (the default model among them) and hub models it "
-        "downloaded, with their sizes. NAME is what --model takes and what snapshots made with it record."
+        "The models kvsnap keeps: GGUF files it converted (the default model among them), hub models it "
+        "downloaded and the quantized forms it kept of models (made by their first quantized load), with their "
+        "sizes. NAME is what --model takes and what snapshots made with it record."
     ),
     invoke_without_command=True,
 )
@@ -39,11 +40,15 @@ def models(ctx: typer.Context, json_out: Json = False) -> None:
     from rich.table import Table
 
     table = Table(box=None, pad_edge=False)
-    for column in ("name", "kind", "size", "folder"):
-        table.add_column(column, justify="right" if column == "size" else "left", overflow="fold")
+    for column in ("name", "kind", "size", "quantized", "folder"):
+        table.add_column(column, justify="right" if column in ("size", "quantized") else "left", overflow="fold")
     for e in entries:
-        table.add_row(Text(ui.printable(e.name)), e.kind, ui.human_bytes(e.bytes), Text(ui.printable(str(e.path))))
+        forms = " + ".join(ui.human_bytes(n) for _, n in e.quantized) or "-"
+        path = Text(ui.printable(str(e.path)))
+        table.add_row(Text(ui.printable(e.name)), e.kind, ui.human_bytes(e.bytes), forms, path)
     ui.out().print(table)
+    if any(e.quantized for e in entries):
+        ui.note("quantized: the forms kept of a model quantized once (int8, int4), mapped by later loads")
     total = sum(e.bytes for e in entries)
     ui.note(f"{ui.plural(len(entries), 'model')}, {ui.human_bytes(total)}; kvsnap models rm NAME removes one")
 
@@ -56,9 +61,10 @@ def rm(
 ) -> None:
     """Remove one model kvsnap converted or downloaded, and nothing else.
 
-    A converted folder under $KVSNAP_HOME/models goes. A hub download goes from the Hugging Face cache only if
-    kvsnap made that cache entry; one that was there before is left, and said so. `kvsnap pull NAME` brings a
-    model back.
+    A converted folder under $KVSNAP_HOME/models goes, with the quantized forms kept of it under
+    $KVSNAP_HOME/quantized (a form of another folder is listed, and removed, by its file name). A hub download
+    goes from the Hugging Face cache only if kvsnap made that cache entry; one that was there before is left,
+    and said so. `kvsnap pull NAME` brings a model back.
     """
     from kvsnap.models.catalog import remove_model
 

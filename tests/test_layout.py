@@ -60,6 +60,7 @@ MAY_IMPORT_TORCH = {
     "kvsnap.models.packing",
     "kvsnap.models.qkernel",
     "kvsnap.models.qstep",
+    "kvsnap.models.quantized_file",
     "kvsnap.models.quantize",
 }
 HEAVY = ("torch", "transformers", "safetensors.torch", "accelerate", "vllm")

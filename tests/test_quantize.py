@@ -12,6 +12,7 @@ import pytest
 import torch
 from cli_helpers import kvsnap
 
+from kvsnap import quantization
 from kvsnap.config import SamplingParams
 from kvsnap.engine.prepare import forward_kind, start_packing
 from kvsnap.engine.session import Session
@@ -144,12 +145,12 @@ def test_run_quantize_saves_and_resumes_and_a_float_resume_is_refused(tiny_model
     [(["Q4_1"] * 5 + ["Q6_K"], "int4"), (["Q8_0"] * 3, "int8"), (["F16", "F32"], "none"), (["Q5_K", "Q6_K"], "int4")],
 )
 def test_auto_keeps_the_class_of_a_gguf(types, expected):
-    assert quantize.class_of_gguf_types(types) == expected
-    assert quantize.resolve("auto", expected) == expected
-    assert quantize.resolve("int8", expected) == "int8"
-    assert quantize.resolve("auto", None) == "none"
+    assert quantization.class_of_gguf_types(types) == expected
+    assert quantization.resolve("auto", expected) == expected
+    assert quantization.resolve("int8", expected) == "int8"
+    assert quantization.resolve("auto", None) == "none"
     with pytest.raises(ConfigError):
-        quantize.resolve("int2", None)
+        quantization.resolve("int2", None)
 
 
 def test_int4_codes_read_back_through_the_kernels_layout():

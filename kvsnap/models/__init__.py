@@ -3,7 +3,7 @@
 resolve          names to folders: the default model, a folder, a .gguf file, a hub name
 hub              hub names downloaded with huggingface_hub (progress, resume, offline: the cache only)
 convert          GGUF files converted once, by content, into standard checkpoints
-catalog          what kvsnap keeps under $KVSNAP_HOME/models: listing, removing
+catalog          what kvsnap keeps under $KVSNAP_HOME/models and /quantized: listing, removing
 locate           a snapshot's model folder and tokenizer on this machine, without loading anything
 fingerprint      the digests that key every hash chain to one model
 load             device, dtype, weights and tokenizer -> ``LoadedModel`` (imports torch when called)
@@ -13,6 +13,8 @@ native           a plain-torch Llama/Mistral/Qwen2 forward on the CPU
 decode_step      the native forward's one-token step, in fewer operator calls
 attention        kvsnap's GQA-aware SDPA, registered with transformers
 packing          the native forward's linear weights reordered for oneDNN
+quantize         int8/int4 linears and embedding; a model's modules swapped for them, family by family
+quantized_file   a quantized model kept as a file: quantized once, mapped by later loads
 plain_tokenizer  a native folder's tokenizer.json on the ``tokenizers`` library
 chat_jinja       chat templates rendered on jinja2 alone, in transformers' sandbox
 """

@@ -1,5 +1,6 @@
 """What kvsnap keeps of models: converted folders under ``$KVSNAP_HOME/models`` (each marked ready by
-kvsnap) and a record of the Hugging Face hub downloads it made; listing them and removing one.
+kvsnap), a record of the Hugging Face hub downloads it made, and the quantized forms of models it kept
+under ``$KVSNAP_HOME/quantized`` (``kvsnap.models.quantized_file``); listing them and removing one.
 
 Only what kvsnap made is ever removed: a folder under ``$KVSNAP_HOME/models`` holding kvsnap's ready
 marker, or a hub cache entry that did not exist before kvsnap downloaded it. No torch here.
@@ -7,6 +8,7 @@ marker, or a hub cache entry that did not exist before kvsnap downloaded it. No 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -32,6 +34,28 @@ def kvsnap_home() -> Path:
 
 def models_root() -> Path:
     return kvsnap_home() / "models"
+
+
+def quantized_root() -> Path:
+    return kvsnap_home() / "quantized"
+
+
+def quantized_stem(source: Path) -> str:
+    """The start of the file names of the quantized forms kept of the model in ``source``: its folder's
+    name, and a digest of its path (two folders of one name keep forms apart)."""
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in source.name)[:80]
+    where = hashlib.blake2b(str(source.resolve()).encode(), digest_size=4).hexdigest()
+    return f"{name}-{where}"
+
+
+def quantized_forms(source: Path | None = None) -> list[Path]:
+    """The quantized forms kept of the model in ``source`` (every one kept, when None): regular files only."""
+    pattern = f"{quantized_stem(source)}-*.safetensors" if source is not None else "*.safetensors"
+    try:
+        found = quantized_root().glob(pattern)
+        return sorted(p for p in found if stat.S_ISREG(os.lstat(p).st_mode))
+    except OSError:
+        return []
 
 
 def is_ready(folder: Path) -> bool:
@@ -103,6 +127,7 @@ class ModelEntry:
     path: Path
     bytes: int
     source: str | None = None
+    quantized: tuple[tuple[Path, int], ...] = ()  # its quantized forms kept: (file, bytes), counted in ``bytes``
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -111,6 +136,7 @@ class ModelEntry:
             "path": str(self.path),
             "bytes": self.bytes,
             "source": self.source,
+            "quantized": [{"path": str(p), "bytes": n} for p, n in self.quantized],
         }
 
 
@@ -130,18 +156,41 @@ def list_models() -> list[ModelEntry]:
         source = marker(folder).get("source")
         source = source if isinstance(source, str) else None
         label = marker(folder).get("name")
+        forms = _sized(quantized_forms(folder))
+        size = folder_bytes(folder) + sum(n for _, n in forms)
         if name == DEFAULT_MODEL:
-            found.append(ModelEntry(DEFAULT_MODEL, "default", folder, folder_bytes(folder), source))
+            found.append(ModelEntry(DEFAULT_MODEL, "default", folder, size, source, forms))
         else:
-            found.append(
-                ModelEntry(label if isinstance(label, str) else name, "gguf", folder, folder_bytes(folder), source)
-            )
+            label = label if isinstance(label, str) else name
+            found.append(ModelEntry(label, "gguf", folder, size, source, forms))
     for name, info in sorted(hub_record().items()):
         cache = Path(info["cache"])
         if cache.is_dir():  # a hub GGUF shows twice: its download here, its conversion above
             kind = "hub" if info.get("complete") else "partial"  # a download that has not finished yet
-            found.append(ModelEntry(name, kind, cache, folder_bytes(cache)))
+            forms = _sized([p for snapshot in _snapshots(cache) for p in quantized_forms(snapshot)])
+            found.append(ModelEntry(name, kind, cache, folder_bytes(cache) + sum(n for _, n in forms), None, forms))
+    # Forms of folders kvsnap does not keep (a local folder's): listed on their own, removable by file name.
+    claimed = {p for e in found for p, _ in e.quantized}
+    for path, n in _sized([p for p in quantized_forms() if p not in claimed]):
+        found.append(ModelEntry(path.name, "quantized", path, n, None, ((path, n),)))
     return found
+
+
+def _sized(paths: list[Path]) -> tuple[tuple[Path, int], ...]:
+    out = []
+    for p in paths:
+        try:
+            out.append((p, os.lstat(p).st_size))
+        except OSError:
+            continue
+    return tuple(out)
+
+
+def _snapshots(cache: Path) -> list[Path]:
+    try:
+        return [p for p in (cache / "snapshots").iterdir() if p.is_dir()]
+    except OSError:
+        return []
 
 
 def folder_bytes(folder: Path) -> int:
@@ -188,11 +237,25 @@ def remove_model(name: str) -> Removal:
         raise ModelError(f"no model {name!r} among those kvsnap keeps (kvsnap models lists them: {known})")
     removed: list[Path] = []
     for entry in matches:
-        if entry.kind not in ("hub", "partial"):
+        for form, _ in entry.quantized:
+            if _remove_form(form):
+                removed.append(form)
+        if entry.kind not in ("hub", "partial", "quantized"):
             _remove_conversion(entry.path)
             removed.append(entry.path)
     gone, kept = _forget_hub({e.name for e in matches} & set(record))
     return Removal(removed + gone, kept)
+
+
+def _remove_form(path: Path) -> bool:
+    """Delete a quantized form kvsnap kept: a regular file directly in ``$KVSNAP_HOME/quantized``."""
+    try:
+        if path.parent.resolve() != quantized_root().resolve() or not stat.S_ISREG(os.lstat(path).st_mode):
+            return False
+        path.unlink()
+    except OSError:
+        return False
+    return True
 
 
 def _remove_conversion(folder: Path) -> None:

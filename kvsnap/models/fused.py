@@ -29,6 +29,17 @@ class FusedQuantized(nn.Module):
         self.widths = [p.out_features for p in parts]
         self._build()
 
+    @classmethod
+    def over(cls, parts: list[QuantizedLinear], whole: QuantizedLinear) -> FusedQuantized:
+        """The fused product of ``parts`` whose tensors are already rows of ``whole``'s, end to end (as a file
+        of codes keeps them): nothing is copied."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.parts, self.widths = parts, [p.out_features for p in parts]
+        self.whole = [whole]
+        self._seen = self._state()
+        return self
+
     def _build(self) -> None:
         parts, first = self.parts, self.parts[0]
         # The product itself is a QuantizedLinear's: one that holds the parts' tensors end to end.

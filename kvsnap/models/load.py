@@ -11,7 +11,7 @@ from typing import Any
 
 from kvsnap import limits
 from kvsnap.config import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MODEL, DEFAULT_QUANTIZE
-from kvsnap.errors import ConfigError, ModelError
+from kvsnap.errors import ConfigError, KvsnapError, ModelError
 from kvsnap.models import catalog
 from kvsnap.models.fingerprint import config_file, fingerprint_of, fingerprint_parts
 from kvsnap.models.generation_files import end_of_turn_ids, generation_eos, sampling_defaults_of
@@ -172,7 +172,8 @@ def load_model(
     import torch  # noqa: F401
 
     mark("torch")
-    from kvsnap.models import architecture, native, native_config
+    from kvsnap.models import architecture, native, native_config, quantized_file
+    from kvsnap.models.quantize import kv_dtype
 
     mark("kvsnap.engine")
     dev = resolve_device(device)
@@ -185,7 +186,7 @@ def load_model(
         config = _transformers_config(folder, mark)
     mark("config")  # with the import of transformers' config classes, unless native read it
     architecture.check_supported(config)
-    layout = architecture.layout_of(config, _kv_dtype(quantization, torch_dtype, dev))
+    layout = architecture.layout_of(config, kv_dtype(quantization, torch_dtype, dev))
     if check_layout is not None:
         check_layout(layout)
     if ctx_size is not None:  # before the weights load, like the layout
@@ -193,13 +194,23 @@ def load_model(
         limits.check_ctx_size(ctx_size, max_positions_of(config))
     progress(f"loading {spec}")
     model = None
+    quantized = False  # the model's weights were quantized (or mapped quantized) already
     if use_native and native_config.unsupported_reason(config, dev) is None:
         try:
-            model = native.load(folder, config, torch_dtype, _tied_aliases(folder), quantization != "none")
-        except Exception:
-            # Not exactly its tensors, or a file it cannot map: transformers loads the folder, or says
-            # in its own words what is wrong with it.
+            if quantization != "none":
+                model = quantized_file.native_model(
+                    folder, config, raw_config, torch_dtype, quantization, _tied_aliases(folder), progress, mark
+                )
+                quantized = True
+            else:
+                model = native.load(folder, config, torch_dtype, _tied_aliases(folder))
+        except native.NotNative:
+            # Not exactly its tensors: transformers loads the folder, or says in its own words what is wrong.
             model = None
+        except (KvsnapError, MemoryError):
+            raise
+        except Exception:
+            model = None  # a file native cannot map: transformers says what is wrong with it
         mark("weights")
     if model is None:
         if getattr(config, "plain", False):  # a transformers model takes transformers' config and cache
@@ -210,7 +221,7 @@ def load_model(
     except (RuntimeError, MemoryError) as exc:
         raise ModelError(f"cannot place {spec} on {dev}: {str(exc).splitlines()[0] if str(exc) else exc}") from None
     mark("place")
-    if quantization != "none":
+    if quantization != "none" and not quantized:
         from kvsnap.models.fused import fuse
         from kvsnap.models.quantize import apply
 
@@ -259,22 +270,12 @@ def load_model(
 def _quantization(mode: str, folder: Path, device: Any) -> str:
     """The quantization ``mode`` asks for the model in ``folder`` on ``device`` (``auto``: on the CPU, the class
     of the GGUF it came from; on a GPU none, where quantized products dequantize and are not tuned)."""
-    from kvsnap.models import quantize
+    from kvsnap import quantization
 
-    if quantize.check_mode(mode) == "auto" and device.type != "cpu":
+    if quantization.check_mode(mode) == "auto" and device.type != "cpu":
         return "none"
     source = catalog.marker(folder).get("source") if mode == "auto" else None
-    return quantize.resolve(mode, quantize.gguf_class(Path(source)) if isinstance(source, str) else None)
-
-
-def _kv_dtype(quantization: str, dtype: Any, device: Any) -> Any:
-    """The KV cache's dtype: a quantized model's on the CPU is float16 under float32 activations, as llama.cpp
-    keeps it (half the bytes for the attention to read and a snapshot to hold); any other model's, its own."""
-    import torch
-
-    if quantization != "none" and device.type == "cpu" and dtype == torch.float32:
-        return torch.float16
-    return dtype
+    return quantization.resolve(mode, quantization.gguf_class(Path(source)) if isinstance(source, str) else None)
 
 
 def _context_source(config, ctx_size: int | None) -> str:

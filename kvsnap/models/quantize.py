@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,53 +35,8 @@ from kvsnap.models import exact as invariant
 from kvsnap.models import qkernel
 from kvsnap.quantization import KERNEL_SUFFIX
 
-MODES = ("none", "int8", "int4", "auto")
 GROUP_SIZE = 32  # GGUF's Q4 block; group 64 measured worse perplexity for a few % less memory
 COMPUTE_DTYPE = torch.bfloat16
-
-
-def check_mode(mode: str) -> str:
-    if mode not in MODES:
-        raise ConfigError(f"unknown quantization {mode!r} ({', '.join(MODES)})")
-    return mode
-
-
-def resolve(mode: str, gguf_class: str | None) -> str:
-    """The quantization a load applies: ``auto`` keeps a GGUF's class (``gguf_class``), else none."""
-    check_mode(mode)
-    if mode == "auto":
-        return gguf_class or "none"
-    return mode
-
-
-def class_of_gguf_types(type_names: list[str]) -> str:
-    """``int4``, ``int8`` or ``none`` for a GGUF whose layer weights are stored in ``type_names``
-    (GGML type names: ``Q4_1``, ``Q8_0``, ``F16``, ...): the class most of them fall in."""
-    counts = {"int4": 0, "int8": 0, "none": 0}
-    for name in type_names:
-        counts[_class_of_type(name)] += 1
-    return max(counts, key=lambda k: (counts[k], k == "none"))
-
-
-def _class_of_type(name: str) -> str:
-    name = name.upper()
-    if name in ("F32", "F16", "BF16", "F64"):
-        return "none"
-    if name.startswith(("Q6", "Q8")):
-        return "int8"
-    return "int4"  # Q2-Q5, IQ*, TQ*: 5 bits or fewer
-
-
-def gguf_class(path: Path) -> str | None:
-    """The class of the GGUF file's layer weights (None: not readable as a GGUF)."""
-    try:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(path))
-        names = [t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
-    except Exception:
-        return None
-    return class_of_gguf_types(names) if names else None
 
 
 # -- quantizing ---------------------------------------------------------------------------------------
@@ -176,6 +130,33 @@ class QuantizedLinear(nn.Module):
             self.q4 = q.to(torch.uint8) if weight.device.type != "cpu" else None
 
     @classmethod
+    def from_codes(
+        cls,
+        tensors: dict[str, torch.Tensor | None],
+        *,
+        bits: int,
+        group: int,
+        kernel: str,
+        shape: tuple[int, int],
+    ) -> QuantizedLinear:
+        """A linear over codes made earlier (``qweight``, ``scales``, ``mins``, ``bias`` in ``tensors``, as
+        ``expected_shapes`` lays them out): nothing is quantized, and the tensors are held as they are
+        (views of a mapped file, say). ``shape``: (out_features, in_features)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.out_features, self.in_features = shape
+        self.bits, self.group, self.kernel, self.q4 = bits, group, kernel, None
+        bias = tensors.get("bias")
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.register_buffer("qweight", tensors["qweight"])
+        self.register_buffer("scales", tensors["scales"])
+        if tensors.get("mins") is not None:
+            self.register_buffer("mins", tensors["mins"])
+        else:
+            self.mins = None
+        return self
+
+    @classmethod
     def sharing(cls, embedding: QuantizedEmbedding) -> QuantizedLinear:
         """An int8 lm_head over a quantized embedding's own tensors (a tied output layer)."""
         self = cls.__new__(cls)
@@ -228,6 +209,21 @@ class QuantizedLinear(nn.Module):
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, *extra))
 
 
+def expected_shapes(bits: int, kernel: str, out_features: int, in_features: int) -> dict[str, tuple]:
+    """``{name: (dtype, shape)}`` of the tensors a ``QuantizedLinear`` on kvsnap's kernel (``a16``) holds:
+    what a file of its codes must hold to be taken for it."""
+    if kernel != "a16":
+        raise ValueError(f"no file layout for kernel {kernel!r}")
+    if bits == 8:
+        return {"qweight": (torch.int8, (out_features, in_features)), "scales": (torch.float32, (out_features,))}
+    groups = (out_features, in_features // qkernel.GROUP)
+    return {
+        "qweight": (torch.uint8, (out_features, in_features // 2)),
+        "scales": (torch.float16, groups),
+        "mins": (torch.float16, groups),
+    }
+
+
 def _pack_int4(q: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # [N, K/2] uint8, the kernel's order
@@ -259,6 +255,19 @@ class QuantizedEmbedding(nn.Module):
         scale = None if embed_scale is None else embed_scale.detach().to(dtype).clone()
         self.register_buffer("embed_scale", scale, persistent=False)
 
+    @classmethod
+    def from_codes(
+        cls, qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, kernel: str, embed_scale=None
+    ) -> QuantizedEmbedding:
+        """An embedding over codes made earlier (int8 ``qweight`` [vocab, hidden], ``scales`` [vocab])."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.kernel, self.dtype = kernel, dtype
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+        self.register_buffer("embed_scale", embed_scale, persistent=False)
+        return self
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = F.embedding(ids, self.qweight).to(self.dtype)
         rows = rows * self.scales[ids].to(self.dtype)[..., None]
@@ -279,6 +288,12 @@ def embedding_scale(module: nn.Module) -> torch.Tensor | None:
         f"cannot quantize this model: its embedding ({kind.__name__}) does more than a table lookup; "
         "run it with --quantize none"
     )
+
+
+def kv_dtype(mode: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype: a quantized model's on the CPU is float16 under float32 activations, as llama.cpp
+    keeps it (half the bytes for the attention to read and a snapshot to hold); any other model's, its own."""
+    return torch.float16 if mode != "none" and device.type == "cpu" and dtype == torch.float32 else dtype
 
 
 def check_linear(module: nn.Module, name: str) -> None:
@@ -370,4 +385,4 @@ def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (model.get_submodule(parent) if parent else model), attr
 
 
-__all__ = ["MODES", "QuantizedLinear", "QuantizedEmbedding", "apply", "resolve", "weight_bytes"]
+__all__ = ["QuantizedLinear", "QuantizedEmbedding", "apply", "weight_bytes"]
