@@ -117,3 +117,59 @@ def test_the_default_models_quantized_answers_agree_with_its_float_ones(real_mod
         top = _logits(load_model(str(real_model_folder), device="cpu", quantize=mode), ids).argmax(-1)
         agreement = (top == reference).float().mean().item()
         assert agreement >= floor, f"{mode}: top-1 agreement {agreement:.3f} with the float model"
+
+
+_GGUF_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _unpermute(w, heads: int):
+    # llama.cpp's converter interleaves the two rotary halves of each q/k head's rows; transformers undoes it
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.mark.slow
+def test_the_default_models_quantized_weights_are_its_ggufs_own_values_bit_for_bit(real_model_folder):
+    """Its Q4_1 layers under int4 and its Q8_0 embedding (shared by the tied lm_head) under both modes: what
+    kvsnap multiplies is gguf-py's dequantization of the file's own blocks, bit for bit."""
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from kvsnap.models import default_gguf_path
+
+    reader = GGUFReader(str(default_gguf_path()))
+    tensors = {t.name: t for t in reader.tensors}
+    for mode in ("int4", "int8"):
+        lm = load_model(str(real_model_folder), device="cpu", quantize=mode)
+        assert lm.model.quantization == f"{mode}-a16"
+        config = lm.config
+        embedding = lm.model.get_input_embeddings()
+        token_embd = tensors["token_embd.weight"]
+        assert token_embd.tensor_type.name == "Q8_0"
+        want = torch.from_numpy(np.ascontiguousarray(dequantize(token_embd.data, token_embd.tensor_type)))
+        got = embedding.qweight.float() * embedding.scales.float().repeat_interleave(32, dim=1)
+        assert torch.equal(got, want), mode
+        if mode != "int4":
+            continue  # int8 of a Q4_1 layer is a requantization, not the file's values
+        checked, layers = 0, sorted({0, config.num_hidden_layers // 2, config.num_hidden_layers - 1})
+        for i in layers:  # a few layers: dequantizing all 210 of its tensors in numpy takes a minute
+            layer = lm.model.model.layers[i]
+            for short, name in _GGUF_NAMES.items():
+                t = tensors[f"blk.{i}.{short}.weight"]
+                assert t.tensor_type.name == "Q4_1"
+                want = np.ascontiguousarray(dequantize(t.data, t.tensor_type))
+                if short in ("attn_q", "attn_k"):
+                    heads = config.num_attention_heads if short == "attn_q" else config.num_key_value_heads
+                    want = np.ascontiguousarray(_unpermute(want, heads))
+                module = layer.get_submodule(name)
+                assert torch.equal(module.dequantized(torch.float32), torch.from_numpy(want)), f"{i} {short}"
+                checked += 1
+        assert checked == 7 * len(layers)

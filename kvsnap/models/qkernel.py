@@ -39,7 +39,7 @@ SOURCE = Path(__file__).with_name("qmatmul.c")
 GROUP = 32
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 ACTIVATIONS = torch.int16  # the activation codes' type (qmatmul.c's act_t)
-ABI_VERSION = 11
+ABI_VERSION = 12
 _lock = threading.Lock()
 _reason: list[str] = []  # why the kernels are not available (set once, by ``library``)
 
@@ -175,7 +175,7 @@ def matmul_q4(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, mins: torch
 
 
 def matmul_q8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x`` [M, K] float32 by int8 weights (codes [N, K] int8, scales [N] float32): [M, N]."""
+    """``x`` [M, K] float32 by int8 weights (codes [N, K] int8, scales [N, K / 32] float16): [M, N]."""
     return _q8(library(), x, codes, scales)
 
 
@@ -251,8 +251,8 @@ def _self_test(lib: ctypes.CDLL) -> None:
     weight = q.float() * d.float().repeat_interleave(GROUP, 1) + mins.float().repeat_interleave(GROUP, 1)
     _close(_q4(lib, x, pack_q4(q), d, mins), x @ weight.t(), "int4")
     q8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)  # weight codes
-    s = torch.rand(n, generator=g) / 64
-    _close(_q8(lib, x, q8, s), x @ (q8.float() * s[:, None]).t(), "int8")
+    s = (torch.rand(n, k // GROUP, generator=g) / 64).half()  # a scale per group of 32
+    _close(_q8(lib, x, q8, s), x @ (q8.float() * s.float().repeat_interleave(GROUP, 1)).t(), "int8")
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:

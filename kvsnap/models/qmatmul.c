@@ -12,7 +12,8 @@
  *   activations  xq int16 [M, K], xd float [M, G] (scale), xs float [M, G] (scale * sum of the group's codes)
  *   int4 weights codes uint8 [N, K / 2]: a group's 16 bytes hold its elements j (low nibble) and j + 16
  *                (high nibble); d, m float16 [N, G]: w = d * code + m
- *   int8 weights codes int8 [N, K], s float [N]: w = s * code
+ *   int8 weights codes int8 [N, K], d float16 [N, G]: w = d * code (GGUF's Q8_0, whose own codes and scales
+ *                are these: a Q8_0 file's dequantized weights quantize back to them exactly)
  *   the KV cache  float16 bits (kv_half): half a float32 cache's bytes for the attention to read, and a
  *                snapshot's; written rounded to nearest even, as torch's .to(torch.float16) rounds
  */
@@ -112,21 +113,27 @@ static inline float dot_q4(const act_t *xq, const float *xd, const float *xs, co
     return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]))) + extra;
 }
 
-/* out[m, n] = sum_k w[n, k] * x[m, k] over int8 weights (one scale per row). out: float [M, N]. */
-static inline float dot_q8(const act_t *xq, const float *xd, const int8_t *wrow, int64_t G) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+/* One int8 weight row by one quantized activation row: sum over groups of d * xd * (codes . xq), the
+ * per-group scales formed 8 groups at a time first, as dot_q4 forms them. */
+static inline float dot_q8(const act_t *xq, const float *xd, const int8_t *wrow, const uint16_t *drow, int64_t G) {
+    float sc[G];
     int64_t g = 0;
-    for (; g + 1 < G; g += 2) {
-        const __m256i p0 = product_q8(wrow + g * GROUP, xq + g * GROUP);
-        const __m256i p1 = product_q8(wrow + (g + 1) * GROUP, xq + (g + 1) * GROUP);
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(xd[g]), _mm256_cvtepi32_ps(p0), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(xd[g + 1]), _mm256_cvtepi32_ps(p1), acc1);
+    for (; g + 8 <= G; g += 8)
+        _mm256_storeu_ps(sc + g, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(drow + g))),
+                                               _mm256_loadu_ps(xd + g)));
+    for (; g < G; g++) sc[g] = _cvtsh_ss(drow[g]) * xd[g];
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (g = 0; g + 3 < G; g += 4) { /* four chains: the accumulations' latency overlaps */
+        for (int j = 0; j < 4; j++) {
+            const __m256i p = product_q8(wrow + (g + j) * GROUP, xq + (g + j) * GROUP);
+            acc[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + g + j), _mm256_cvtepi32_ps(p), acc[j]);
+        }
     }
     for (; g < G; g++) {
-        const __m256i p0 = product_q8(wrow + g * GROUP, xq + g * GROUP);
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(xd[g]), _mm256_cvtepi32_ps(p0), acc0);
+        const __m256i p = product_q8(wrow + g * GROUP, xq + g * GROUP);
+        acc[0] = _mm256_fmadd_ps(_mm256_broadcast_ss(sc + g), _mm256_cvtepi32_ps(p), acc[0]);
     }
-    return hsum(_mm256_add_ps(acc0, acc1));
+    return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 }
 
 /* -- a layer's forward over M rows (kvsnap.models.qstep) ---------------------------------------------
@@ -136,7 +143,7 @@ static inline float dot_q8(const act_t *xq, const float *xd, const int8_t *wrow,
 typedef struct {
     int64_t bits;       /* 4 or 8 */
     const void *codes;  /* int4: uint8 [N, K / 2]; int8: int8 [N, K] */
-    const void *scales; /* int4: float16 [N, G] (d); int8: float [N] */
+    const void *scales; /* float16 [N, G] (d) */
     const void *mins;   /* int4: float16 [N, G]; int8: unused */
     const float *bias;  /* float [N], or NULL */
     int64_t n, k;
@@ -191,8 +198,8 @@ static void products_team(const kv_matrix *w, const act_t *xq, const float *xd, 
                 v = dot_q4(xq + m * w->k, xd + m * G, xs + m * G, (const uint8_t *)w->codes + n * (w->k / 2),
                            (const uint16_t *)w->scales + n * G, (const uint16_t *)w->mins + n * G, G);
             else
-                v = dot_q8(xq + m * w->k, xd + m * G, (const int8_t *)w->codes + n * w->k, G) *
-                    ((const float *)w->scales)[n];
+                v = dot_q8(xq + m * w->k, xd + m * G, (const int8_t *)w->codes + n * w->k,
+                           (const uint16_t *)w->scales + n * G, G);
             out[m * w->n + n] = w->bias ? v + w->bias[n] : v;
         }
     }
@@ -543,13 +550,13 @@ void kv_matmul_q4(const act_t *xq, const float *xd, const float *xs, int64_t M, 
 }
 
 /* out[M, N] = x W^T over int8 weights, x quantized already (kv_quantize_rows). */
-void kv_matmul_q8(const act_t *xq, const float *xd, int64_t M, const int8_t *codes, const float *s, int64_t N,
+void kv_matmul_q8(const act_t *xq, const float *xd, int64_t M, const int8_t *codes, const uint16_t *d, int64_t N,
                   int64_t K, float *out) {
-    const kv_matrix w = {8, codes, s, NULL, NULL, N, K};
+    const kv_matrix w = {8, codes, d, NULL, NULL, N, K};
 #pragma omp parallel
     products_team(&w, xq, xd, NULL, M, out);
 }
 
-int kv_abi_version(void) { return 11; }
+int kv_abi_version(void) { return 12; }
 
 

@@ -1,15 +1,17 @@
-"""Weight-only quantized linears: int8 per output channel, int4 in groups, on the kernels torch ships.
+"""Weight-only quantized linears and embeddings, int8 and int4, on kvsnap's kernel or the ones torch ships.
 
 Why: a GGUF is dequantized into a float32 folder, so a 98 MB Q4_1 file runs as 517 MB of weights and a
 4-5 GB 8B file would need 32 GB. Quantized at load, one linear at a time (each float weight is released
 as soon as its quantized copy exists), the weights stay near the GGUF's own size.
 
-- ``int8``: one scale per output channel (symmetric), ``torch.ops.aten._weight_int8pack_mm``.
-- ``int4``: groups of ``GROUP_SIZE`` inputs, a scale and a zero per group (asymmetric, like GGUF's Q4_1),
-  ``_weight_int4pack_mm_for_cpu`` over ``_convert_weight_to_int4pack_for_cpu``'s layout. A linear whose
-  input width is not a multiple of the group size is kept in int8.
-- The embedding, and the lm_head (tied to it or not), are int8 per row under both: the lm_head decides
-  every token, and int8 costs it little memory next to the layers.
+- ``int8``: on kvsnap's kernel (``kvsnap.models.qkernel``), GGUF's Q8_0: a float16 scale per group of 32
+  inputs (symmetric), so a Q8_0 file's codes and scales are found again exactly. On torch's kernels one
+  scale per output channel, ``torch.ops.aten._weight_int8pack_mm``.
+- ``int4``: groups of ``GROUP_SIZE`` inputs, a scale and a minimum per group (asymmetric, GGUF's Q4_1); on
+  torch's kernels ``_weight_int4pack_mm_for_cpu`` over ``_convert_weight_to_int4pack_for_cpu``'s layout. A
+  linear whose input width is not a multiple of the group size is kept in int8.
+- The embedding, and the lm_head (tied to it or not), are int8 under both, in the layout of their kernel:
+  the lm_head decides every token, and int8 costs it little memory next to the layers.
 
 The products run in bfloat16 activations, whatever the model's dtype: torch's float32 paths of these
 kernels are reference loops (10-30x slower than the bfloat16 ones on the 2-core AVX2 VM); the result is
@@ -57,6 +59,22 @@ def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(weight.device), scales.to(weight.device)
 
 
+def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, d)``: ``weight ~= q * d`` per group of 32 inputs, ``q`` int8 [N, K] in -127..127, ``d`` float16
+    [N, K / 32] (GGUF's Q8_0, kvsnap's kernel's int8 layout). From a Q8_0 file's dequantized weights this finds
+    the file's own codes and scales: each group's largest code is 127, so ``max |w| / 127`` is its scale."""
+    n, k = weight.shape
+    q = torch.empty(n, k, dtype=torch.int8)
+    d = torch.empty(n, k // qkernel.GROUP, dtype=torch.float16)
+    for start in range(0, n, ROWS_AT_ONCE):
+        grouped = weight[start : start + ROWS_AT_ONCE].detach().float().reshape(-1, k // qkernel.GROUP, qkernel.GROUP)
+        scale = (grouped.abs().amax(dim=2) / 127).half().clamp(min=torch.finfo(torch.float16).tiny)
+        codes = grouped / scale.float()[..., None]
+        q[start : start + ROWS_AT_ONCE] = codes.round_().clamp_(-127, 127).reshape(-1, k)
+        d[start : start + ROWS_AT_ONCE] = scale
+    return q, d
+
+
 def int4_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scales_and_zeros)``: ``q`` int32 in 0..15 [N, K]; ``weight ~= (q - 8) * scale + zero`` per group
     of ``group`` inputs, the scales and zeros as ``[K / group, N, 2]`` (the kernel's layout)."""
@@ -100,7 +118,7 @@ class QuantizedLinear(nn.Module):
     """A linear layer over int8 or int4 weights; ``forward(x, exact)`` as ``native.Linear``'s.
 
     ``kernel``: ``a16`` where kvsnap's own kernel runs it (activations quantized to 16 bits in groups, int4
-    as codes + float16 scale and min per group, int8 with a float32 scale per row), else ``bf16``
+    as codes + float16 scale and min per group, int8 as codes + float16 scale per group), else ``bf16``
     (torch's kernels over their own layouts, bfloat16 activations)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bits: int, group: int = GROUP_SIZE):
@@ -113,7 +131,7 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.q4 = None  # the GPU path's plain codes
         if bits == 8:
-            q, scales = int8_rows(weight)
+            q, scales = int8_groups(weight) if self.kernel == "a16" else int8_rows(weight)
             self.register_buffer("qweight", q)
             self.register_buffer("scales", scales if self.kernel == "a16" else scales.to(COMPUTE_DTYPE))
             self.mins = None
@@ -193,6 +211,9 @@ class QuantizedLinear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight these codes stand for, [N, K] (the GPU path; tests)."""
+        if self.bits == 8 and self.kernel == "a16":
+            d = self.scales.float().repeat_interleave(qkernel.GROUP, dim=1)
+            return (self.qweight.float() * d).to(dtype)
         if self.bits == 8:
             return (self.qweight.to(dtype) * self.scales.to(dtype)[:, None]).to(dtype)
         if self.kernel == "a16":
@@ -214,9 +235,9 @@ def expected_shapes(bits: int, kernel: str, out_features: int, in_features: int)
     what a file of its codes must hold to be taken for it."""
     if kernel != "a16":
         raise ValueError(f"no file layout for kernel {kernel!r}")
-    if bits == 8:
-        return {"qweight": (torch.int8, (out_features, in_features)), "scales": (torch.float32, (out_features,))}
     groups = (out_features, in_features // qkernel.GROUP)
+    if bits == 8:
+        return {"qweight": (torch.int8, (out_features, in_features)), "scales": (torch.float16, groups)}
     return {
         "qweight": (torch.uint8, (out_features, in_features // 2)),
         "scales": (torch.float16, groups),
@@ -240,17 +261,19 @@ def _unpack_int4(layer: QuantizedLinear) -> torch.Tensor:
 
 
 class QuantizedEmbedding(nn.Module):
-    """An embedding table in int8 per row; a lookup dequantizes only the rows it takes.
+    """An embedding table in int8 (a scale per group of 32 on kvsnap's kernel, else per row); a lookup
+    dequantizes only the rows it takes.
 
     ``embed_scale``: the factor a scaled embedding (Gemma 2/3's ``*ScaledWordEmbedding``) multiplies its rows
     by, in the model's dtype as the original does; it stays out of the codes, so a tied lm_head shares them."""
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype, embed_scale: torch.Tensor | None = None):
         super().__init__()
-        q, scales = int8_rows(weight)
         self.kernel = "a16" if kernel_for(weight.device, weight.shape[1]) else "bf16"  # as a tied lm_head's
+        q, scales = int8_groups(weight) if self.kernel == "a16" else int8_rows(weight)
         self.register_buffer("qweight", q)  # [vocab, hidden]
-        self.register_buffer("scales", scales if self.kernel == "a16" else scales.to(COMPUTE_DTYPE))  # [vocab]
+        # a16: float16 [vocab, hidden / 32] (Q8_0's layout); bf16: [vocab], torch's int8 product's
+        self.register_buffer("scales", scales if self.kernel == "a16" else scales.to(COMPUTE_DTYPE))
         self.dtype = dtype
         scale = None if embed_scale is None else embed_scale.detach().to(dtype).clone()
         self.register_buffer("embed_scale", scale, persistent=False)
@@ -270,7 +293,10 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = F.embedding(ids, self.qweight).to(self.dtype)
-        rows = rows * self.scales[ids].to(self.dtype)[..., None]
+        if self.kernel == "a16":  # a scale per group of 32 (Q8_0's layout)
+            rows = rows * self.scales[ids].to(self.dtype).repeat_interleave(qkernel.GROUP, dim=-1)
+        else:
+            rows = rows * self.scales[ids].to(self.dtype)[..., None]
         return rows if self.embed_scale is None else rows * self.embed_scale
 
 

@@ -260,7 +260,7 @@ def _rebuild(model: nn.Module, tensors: dict[str, torch.Tensor], layout: dict[st
     scale = tensors.pop(f"{embedding_name}.embed_scale", None)
     embedding = QuantizedEmbedding.from_codes(
         _take(tensors, f"{embedding_name}.qweight", torch.int8, (vocab, hidden)),
-        _take(tensors, f"{embedding_name}.scales", torch.float32, (vocab,)),
+        _take(tensors, f"{embedding_name}.scales", torch.float16, (vocab, hidden // qkernel.GROUP)),
         dtype,
         "a16",
         None if scale is None else scale.reshape(()).to(dtype),
