@@ -286,3 +286,15 @@ def test_shaped_quantized_benchmark_builds_runs_saves_and_restores(bench, tiny_m
     assert longer["kv_mb"] == 2.5 * row["kv_mb"] and longer["decode_tok_s"] > 0
     # One bfloat16 shard per layer, besides the embedding and the head.
     assert len(list(folder.glob("layer-*.safetensors"))) == 2
+
+
+def test_quantized_load_benchmark_keeps_the_form_once_and_maps_it_after(bench, tiny_model_dir):
+    from kvsnap.models import qkernel
+
+    if qkernel.library() is None:
+        pytest.skip(f"forms are kept for kvsnap's kernel, not available here: {qkernel.unavailable_reason()}")
+    out, data = bench("quantized_load", "--model", str(tiny_model_dir("llama")), "--repeats", "1", "--tokens", "16")
+    rows = {(r["mode"], r["load"]): r for r in data["rows"]}
+    assert set(rows) >= {("none", "-"), ("int4-a16", "first"), ("int4-a16", "later"), ("int8-a16", "later")}
+    assert not rows["int4-a16", "first"]["mapped"] and rows["int4-a16", "later"]["mapped"]
+    assert rows["int8-a16", "later"]["kept_mb"] > 0 and "minus import torch" in out

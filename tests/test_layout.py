@@ -62,6 +62,7 @@ MAY_IMPORT_TORCH = {
     "kvsnap.models.qstep",
     "kvsnap.models.quantized_file",
     "kvsnap.models.quantize",
+    "kvsnap.models.weight_codes",
 }
 HEAVY = ("torch", "transformers", "safetensors.torch", "accelerate", "vllm")
 MAX_LINES = 400  # one concern per module; past this a module is doing more than one job: split it

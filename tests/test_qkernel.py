@@ -21,7 +21,7 @@ from kvsnap.config import SamplingParams
 from kvsnap.engine.cache import cache_for
 from kvsnap.engine.runner import Runner
 from kvsnap.engine.session import Session
-from kvsnap.models import fused, load_model, qkernel, quantize
+from kvsnap.models import fused, load_model, qkernel, quantize, weight_codes
 
 
 @pytest.fixture(autouse=True)
@@ -64,7 +64,7 @@ def test_the_kernels_int4_quantization_is_the_reference_one_bit_for_bit(dtype):
     weight = (torch.randn(70, 96) * 0.05).to(dtype)
     weight[3, :32] = 0.25  # a constant group: its scale is float16's smallest normal
     weight[5, 32:64] = torch.linspace(-1e-3, 1e-3, 32)  # a scale below float16's normals
-    q, d, mins = quantize.int4_pairs(weight, 32)
+    q, d, mins = weight_codes.int4_pairs(weight, 32)
     codes, d2, mins2 = qkernel.quantize_q4(weight, rows_at_once=16)  # several chunks, a partial last one
     assert torch.equal(codes, qkernel.pack_q4(q)) and torch.equal(d2, d) and torch.equal(mins2, mins)
 

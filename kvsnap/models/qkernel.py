@@ -210,7 +210,7 @@ def _q8(lib: ctypes.CDLL, x: torch.Tensor, codes: torch.Tensor, scales: torch.Te
 
 def quantize_q4(weight: torch.Tensor, rows_at_once: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``weight`` [N, K] as int4 codes packed for the kernel [N, K / 2], d and mins float16 [N, K / 32]:
-    ``quantize.int4_pairs`` then ``pack_q4``, bit for bit, in one pass (``rows_at_once`` rows of float32
+    ``weight_codes.int4_pairs`` then ``pack_q4``, bit for bit, in one pass (``rows_at_once`` rows of float32
     temporaries at a time)."""
     n, k = weight.shape
     codes = torch.empty(n, k // 2, dtype=torch.uint8)

@@ -382,13 +382,14 @@ def native_model(folder: Path, config, raw_config: dict, dtype, mode: str, alias
                 progress(f"the kept {mode} form of the model is not used ({exc}); quantizing again")
     model = native.load(folder, config, dtype, aliases, True)
     mark("weights")
-    progress(f"quantizing the weights to {mode}" + (" (once: the result is kept for later loads)" if cached else ""))
+    progress(f"quantizing the weights to {mode}")
     quantize.apply(model, mode, dtype)
     fuse(model)  # one product for q/k/v and for gate/up in a decode step
     mark("quantize")
     if cached is not None and keepable(model) and model.quantization == cached.identity["quantization"]:
         try:
             save(model, cached)
+            progress(f"kept the {mode} weights for later loads to map: {cached.path}")
         except (OSError, KvsnapError) as exc:
             progress(f"the quantized form is not kept ({exc}); the next load quantizes again")
         mark("keep")
