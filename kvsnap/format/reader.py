@@ -210,6 +210,11 @@ class Snapshot:
     def num_tokens(self) -> int:
         return self.meta.num_tokens
 
+    @property
+    def key(self) -> SealKey | None:
+        """The key an encrypted snapshot was opened with; None for a plain one."""
+        return self._key
+
     def read_stored(self, index: int) -> memoryview | bytes:
         """The stored (encoded) bytes of block ``index``, checksum verified; a view of the file, no copy
         (sealed: the opened bytes)."""
