@@ -301,3 +301,13 @@ def test_a_config_listed_larger_than_kvsnap_reads_is_not_downloaded(hub):
     hub.sizes["config.json"] = 1 << 30
     assert_refused(invoke("pull", REPO), "config.json", "16 MiB")
     assert [p for _, p, _ in hub.log if "/resolve/" in p] == []
+
+
+def test_a_cached_file_that_links_out_of_the_cache_is_not_used(hub, tmp_path, tiny_model_dir):
+    assert invoke("pull", REPO).exit_code == 0
+    snapshot = next((tmp_path / "hf" / "hub" / "models--kvsnap-test--tiny-llama" / "snapshots").iterdir())
+    outside = tmp_path / "outside.json"
+    outside.write_bytes((tiny_model_dir("llama") / "config.json").read_bytes())
+    (snapshot / "config.json").unlink()
+    (snapshot / "config.json").symlink_to(outside)  # as an ETag naming an existing file once made it
+    assert_refused(invoke(*run_args(REPO)), "config.json", "did not download as listed")

@@ -128,13 +128,16 @@ def _cached(repo: str, file: str | None) -> Path | None:
     try:
         with _quiet_hub():
             if file is not None:
-                return Path(hf_hub_download(repo, file, cache_dir=hub_cache(), local_files_only=True))
-            folder = Path(
-                snapshot_download(repo, cache_dir=hub_cache(), local_files_only=True, allow_patterns=MODEL_FILES)
-            )
+                found = Path(hf_hub_download(repo, file, cache_dir=hub_cache(), local_files_only=True))
+            else:
+                found = Path(
+                    snapshot_download(repo, cache_dir=hub_cache(), local_files_only=True, allow_patterns=MODEL_FILES)
+                )
+        if not answers.inside_cache(repo_cache(repo), found):
+            return None  # fetched again, through the checks, which refuse what is there
     except Exception:
         return None
-    return folder if (folder / "config.json").is_file() else None
+    return found if file is not None or (found / "config.json").is_file() else None
 
 
 def _download(repo: str, file: str | None, name: str, progress: Progress) -> Path:

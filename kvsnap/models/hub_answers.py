@@ -165,3 +165,23 @@ def check_file(expected: Expected, path: Path) -> Path:
     if not ok:
         raise ModelError(f"{repo}'s {f} did not download as listed (a {size:,}-byte file in {cache}); not used")
     return path
+
+
+def inside_cache(cache: Path, path: Path) -> bool:
+    """Whether ``path`` (a snapshot folder, or one file in it) holds only regular files of the repo's
+    cache folder ``cache``: a link out of its ``blobs`` folder (what a hostile hub made of an earlier
+    download) means the copy is not used."""
+    blobs = os.path.realpath(cache / "blobs")
+    if path.is_dir() and not path.is_symlink():
+        entries = [Path(top) / name for top, dirs, files in os.walk(path) for name in (*dirs, *files)]
+    else:
+        entries = [path]
+    for entry in entries:
+        mode = os.lstat(entry).st_mode
+        if stat.S_ISLNK(mode):
+            real = os.path.realpath(entry)
+            if os.path.dirname(real) != blobs or not stat.S_ISREG(os.lstat(real).st_mode):
+                return False
+        elif not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            return False
+    return True
