@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from kvsnap import paths
 from kvsnap.config import SamplingParams
 from kvsnap.errors import ConfigError, KvsnapError
 from kvsnap.paths import read_bounded
@@ -237,12 +236,15 @@ def run_job(
     return row
 
 
-def check_save_target(path: str | Path | None) -> None:
-    """Fail before any work if a save could not even start: its folder is missing, or the target is a
-    symlink or a special file, which a save refuses (see ``kvsnap.paths.check_save_target``)."""
+def check_save_target(path: str | Path | None, *, foreign: bool = True) -> None:
+    """Fail before any work if a save could not even start or would be refused: its folder is missing
+    or cannot be written, the target is a symlink, a special file or (``foreign``) a file that is not
+    a snapshot (see ``kvsnap.format.writer.check_snapshot_target``)."""
     if path is None:
         return
-    paths.check_save_target(Path(path).expanduser(), error=ConfigError)
+    from kvsnap.format.writer import check_snapshot_target
+
+    check_snapshot_target(Path(path).expanduser(), error=ConfigError, foreign=foreign)
 
 
 def error_row(job_id: Any, exc: KvsnapError | str) -> dict[str, Any]:

@@ -93,7 +93,7 @@ def chat(
 
     check_choice("--on-mismatch", on_mismatch, ("ask", *ON_MISMATCH))
     session_config = opts.session_config(resume)
-    check_save_target(save or resume)
+    check_save_target(save or resume, foreign=False)  # a file a chat cannot extend is saved beside, not replaced
     if opts.store_session is not None and opts.store is None:
         raise ConfigError("--store-session needs --store DIR")
     opts.sampling()  # a bad flag is refused before the model loads

@@ -15,6 +15,7 @@ import typer
 from kvsnap_cli.common import default_store
 
 if TYPE_CHECKING:
+    from kvsnap.sealing import SealKey
     from kvsnap.store import BlockStore
 
 DIR_HELP = "the block store folder (default: $KVSNAP_STORE, else $KVSNAP_HOME/store)."
@@ -43,7 +44,7 @@ def split(given: list[str] | None, *wanted: str) -> tuple[Path, list[str]]:
     raise typer.BadParameter(f"give [DIR] {' '.join(wanted)} ({len(values)} given)")
 
 
-def open_store(path: Path, *, create: bool = False) -> BlockStore:
+def open_store(path: Path, *, create: bool = False, key: SealKey | None = None) -> BlockStore:
     from kvsnap.store import BlockStore
 
-    return BlockStore(path, create=create)
+    return BlockStore(path, create=create, key=key)

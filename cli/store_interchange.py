@@ -67,6 +67,8 @@ def import_(
 ) -> None:
     """Add a .kv snapshot's blocks to the store (verified, stored once) and record it as a named session."""
     from kvsnap.errors import KvsnapError
+    from kvsnap.format import sealed
+    from kvsnap.sealing import key_from_env
     from kvsnap.store.folder import remove_new_store
     from kvsnap.store.interchange import import_snapshot
 
@@ -75,8 +77,11 @@ def import_(
     session = name if name is not None else file.stem
     existed = store_dir.exists()
     new = not existed or (store_dir.is_dir() and not any(store_dir.iterdir()))
+    # An encrypted snapshot makes a new store an encrypted one: what was sealed stays sealed.
+    key = key_from_env(required=f"importing the encrypted {file}") if new and sealed.is_sealed(file) else None
     try:
-        result = import_snapshot(open_store(store_dir, create=True), file, session, pin=True if pin_it else None)
+        store = open_store(store_dir, create=True, key=key)
+        result = import_snapshot(store, file, session, pin=True if pin_it else None)
     except KvsnapError:
         if new:
             # Leave nothing behind of a store this import made for a file that could not be added.

@@ -9,6 +9,11 @@ file; ``open`` refuses a wrong key or any changed byte with ``SealError``. ``key
 without revealing it (an HMAC of a fixed text), so a file can say which key it needs; ``resolve_key``
 finds that key (the one given, else ``$KVSNAP_KEY_FILE``'s) for sealed snapshots and stores alike.
 
+What was encrypted stays encrypted: ``save_key`` is the one rule every writer asks (a session's
+``.kv`` saves, ``store export``), so a save is sealed with the key asked for, else with the key of
+any sealed source its content came from (a sealed ``.kv`` file, an encrypted store); and
+``refuse_clear_copy`` keeps content from a sealed source out of a plain store.
+
 ``cryptography`` is imported on first use: a command that never seals or opens pays nothing.
 """
 
@@ -130,6 +135,21 @@ def key_from_env(required: str | None = None) -> SealKey | None:
             raise ConfigError(f"{required} needs a key: set {KEY_ENV} to a key file (kvsnap keygen FILE makes one)")
         return None
     return read_key_file(Path(path).expanduser())
+
+
+def save_key(asked: SealKey | None, *sources: SealKey | None) -> SealKey | None:
+    """The key a save is sealed with: ``asked`` (--encrypt), else the key of the first sealed source
+    among ``sources`` (what the saved content was read from); None only when nothing was sealed."""
+    if asked is not None:
+        return asked
+    return next((key for key in sources if key is not None), None)
+
+
+def refuse_clear_copy(source: SealKey | None, destination: SealKey | None, what: str, error: type[KvsnapError]) -> None:
+    """Raise ``error`` when content read from a sealed source (``source``: its key) would be written
+    to a plain destination (``destination``: None), which would keep it in the clear."""
+    if source is not None and destination is None:
+        raise error(f"{what} is encrypted; a plain block store would keep it in the clear (use an encrypted store)")
 
 
 def resolve_key(key_id: str, key: SealKey | None, *, what: str, other_key: str) -> SealKey:

@@ -179,6 +179,39 @@ def test_save_onto_a_link_or_special_file_is_refused_before_the_model_loads(mode
     assert {"symlink": stat.S_ISLNK, "fifo": stat.S_ISFIFO, "directory": stat.S_ISDIR}[kind](mode)
 
 
+def test_save_onto_a_file_that_is_not_a_snapshot_is_refused_and_the_file_kept(model, tmp_path):
+    """Bug: `--save` onto someone's notes (or any file that is not a snapshot) replaced it silently."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("someone's notes")
+    result = invoke("run", *base(model), "--prompt", "hello", "--max-new-tokens", "1", "--save", notes)
+    assert result.exit_code == 1 and "loading" not in result.stderr and "Traceback" not in result.output
+    assert "is not a kvsnap snapshot" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert notes.read_text() == "someone's notes"
+    with pytest.raises(SaveError, match="is not a kvsnap snapshot"):
+        write_test_snapshot(notes)  # the library's saves refuse it too
+    assert notes.read_text() == "someone's notes"
+    write_test_snapshot(tmp_path / "s.kv")
+    write_test_snapshot(tmp_path / "s.kv", seed=1)  # a snapshot is replaced as before
+
+
+def test_save_into_a_folder_no_file_can_be_made_in_is_refused_before_the_model_loads(tmp_path):
+    """Bug: `--save` into a folder that cannot be written failed only once the model had run. /proc
+    refuses new files even to root, whom permissions do not stop."""
+    missing_model = tmp_path / "no-model-here"
+    result = invoke("run", "--model", missing_model, "--prompt", "hi", "--save", "/proc/kvsnap-test.kv")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "cannot create a file in /proc" in result.stderr and str(missing_model) not in result.stderr
+
+
+def test_an_error_about_a_foreign_file_never_shows_its_bytes(tmp_path):
+    """Bug: the error about a file that is not a snapshot echoed its first 16 bytes ('root:x:0:0:root:')."""
+    foreign = tmp_path / "passwd.kv"
+    foreign.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    result = invoke("inspect", foreign)
+    assert result.exit_code == 1 and "not a kvsnap snapshot" in result.stderr
+    assert "root:x" not in result.output
+
+
 def test_write_snapshot_never_writes_through_a_link_nor_replaces_a_fifo(tmp_path):
     """Bug: `atomic_write` followed symlinks (realpath), so `store export` onto a link overwrote its
     target; a FIFO at the target was replaced by a regular file."""

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -168,6 +169,7 @@ def test_models_rm_removes_a_download_kvsnap_made_and_nothing_else(hub, tmp_path
     removed = invoke("models", "rm", REPO)
     assert removed.exit_code == 0, removed.output
     assert not cache.exists() and other.exists()
+    assert not (tmp_path / "hf" / "hub" / ".locks" / cache.name).exists(), "the download's lock files go too"
     assert REPO not in invoke("models").stdout
 
 
@@ -234,3 +236,78 @@ def test_the_default_models_gguf_named_on_the_hub_is_the_default_model(hub, tmp_
     assert [path for _, path, _ in hub.gets() if "/resolve/" in path] == [
         f"/someone/smollm2-gguf/resolve/main/{gguf.name}"
     ]
+
+
+# -- a hostile hub: it cannot write outside the cache, nor send more than it listed ----------------------
+
+
+def outside_the_cache(tmp_path: Path) -> set[Path]:
+    """Every path under the test's folder but the hub cache (and $HF_HOME, its folder) and kvsnap's home."""
+    cache, home = tmp_path / "hf" / "hub", tmp_path / "home"
+    inside = (tmp_path / "hf", *(p for p in tmp_path.rglob("*") if p.is_relative_to(cache) or p.is_relative_to(home)))
+    return set(tmp_path.rglob("*")) - set(inside)
+
+
+def assert_refused(result, *words: str) -> None:
+    """One error line (progress lines may come before it), saying what was refused, not to reconnect."""
+    assert result.exit_code == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and result.stderr.strip().splitlines()[-1] == errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+    line = errors[0]
+    assert "cannot reach" not in line and "connect and run it again" not in line, line
+    for word in words:
+        assert word in line, line
+
+
+def links_out_of(cache: Path) -> list[Path]:
+    return [p for p in cache.rglob("*") if p.is_symlink() and not Path(os.path.realpath(p)).is_relative_to(cache)]
+
+
+@pytest.mark.parametrize("target", ["planted", "victim.txt"])
+def test_an_etag_that_names_a_path_is_refused_and_nothing_lands_outside_the_cache(hub, tmp_path, target):
+    (tmp_path / "victim.txt").write_text("someone's file")
+    before = outside_the_cache(tmp_path)
+    hub.etags["config.json"] = f'"../../../../{target}"'  # blobs/../../../../ is the test's own folder
+    result = invoke("pull", REPO)
+    assert_refused(result, "not a plain token", "config.json")
+    assert outside_the_cache(tmp_path) == before, "a file was made outside the cache"
+    assert (tmp_path / "victim.txt").read_text() == "someone's file"
+    assert links_out_of(tmp_path / "hf" / "hub") == []
+
+
+def test_a_commit_id_that_is_not_one_is_refused_before_any_file(hub):
+    hub.commit = "../../../../planted"
+    assert_refused(invoke("pull", REPO), "commit id")
+    assert [p for _, p, _ in hub.log if "/resolve/" in p] == []
+
+
+def test_a_body_longer_than_listed_is_stopped_and_not_kept(hub, tmp_path):
+    hub.bodies["tokenizer.json"] = b"x" * (5 << 20)  # the listing says the real file's size, a few KB
+    assert_refused(invoke("pull", REPO), "tokenizer.json", "more bytes than its listing says")
+    cache = tmp_path / "hf" / "hub"
+    assert [p for p in cache.rglob("*") if p.is_file() and p.stat().st_size >= 1 << 20] == []
+    assert not [p for p in cache.rglob("*.incomplete")]
+
+
+def test_a_length_longer_than_listed_is_refused_before_the_body(hub):
+    hub.bodies["tokenizer.json"] = b"x" * (5 << 20)
+    hub.lengths["tokenizer.json"] = 5 << 20
+    assert_refused(invoke("pull", REPO), "tokenizer.json", "where its listing says")
+    assert hub.gets("tokenizer.json") == []
+
+
+def test_a_config_listed_larger_than_kvsnap_reads_is_not_downloaded(hub):
+    hub.sizes["config.json"] = 1 << 30
+    assert_refused(invoke("pull", REPO), "config.json", "16 MiB")
+    assert [p for _, p, _ in hub.log if "/resolve/" in p] == []
+
+
+def test_a_cached_file_that_links_out_of_the_cache_is_not_used(hub, tmp_path, tiny_model_dir):
+    assert invoke("pull", REPO).exit_code == 0
+    snapshot = next((tmp_path / "hf" / "hub" / "models--kvsnap-test--tiny-llama" / "snapshots").iterdir())
+    outside = tmp_path / "outside.json"
+    outside.write_bytes((tiny_model_dir("llama") / "config.json").read_bytes())
+    (snapshot / "config.json").unlink()
+    (snapshot / "config.json").symlink_to(outside)  # as an ETag naming an existing file once made it
+    assert_refused(invoke(*run_args(REPO)), "config.json", "did not download as listed")

@@ -225,3 +225,24 @@ def test_without_the_kernel_torch_runs_it_under_another_fingerprint(int4, tiny_m
     ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert ran.returncode != 0
     assert "weights quantized int4-a16, not int4" in ran.stderr and "C compiler" in ran.stderr
+
+
+def test_a_library_at_the_name_that_lacks_an_entry_point_falls_back_to_torch(tiny_model_dir, tmp_path):
+    home = tmp_path / "home"
+    assert _load_in_child(home, tiny_model_dir("llama"))["q"] == "int4-a16"
+    built = next((home / "kernels").glob("qmatmul-*.so"))
+    # The right version number, and nothing else: what another build, or a planted file, may be.
+    source = tmp_path / "partial.c"
+    source.write_text(f"int kv_abi_version(void) {{ return {qkernel.ABI_VERSION}; }}\n")
+    made = subprocess.run(["cc", "-shared", "-fPIC", str(source), "-o", str(built)], capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+    built.chmod(0o600)
+    got = _load_in_child(home, tiny_model_dir("llama"))
+    assert got["q"] == "int4" and "lacks kv_quantize_rows" in got["why"]  # torch's kernels, no traceback
+
+
+def test_cc_with_arguments_is_a_compiler_command_line(tiny_model_dir, tmp_path):
+    got = _load_in_child(tmp_path / "home", tiny_model_dir("llama"), {"CC": "cc -DKVSNAP_UNUSED=1"})
+    assert got == {"q": "int4-a16", "why": None}
+    missing = _load_in_child(tmp_path / "home2", tiny_model_dir("llama"), {"CC": "no-such-cc -O2"})
+    assert missing["q"] == "int4" and missing["why"] == "no C compiler (no-such-cc is not on PATH)"

@@ -128,3 +128,29 @@ def test_serve_and_run_take_encrypt_and_need_the_key(tiny_model_dir, tmp_path, m
     assert second.exit_code == 0, second.output
     assert json.loads(second.stdout)["hit_tokens"] > 0
     assert b"vault" not in b"".join(p.read_bytes() for p in files_of(tmp_path / "s"))
+
+
+def test_an_index_copied_from_another_store_of_the_same_key_is_refused(tmp_path, key):
+    chain = make_chain()
+    one, two = BlockStore(tmp_path / "one", key=key), BlockStore(tmp_path / "two", key=key)
+    put(one, chain, TOKENS, name="one-talk")
+    put(two, chain, TOKENS[:8], name="two-talk")
+    (tmp_path / "two" / "index.json").write_bytes((tmp_path / "one" / "index.json").read_bytes())
+    with pytest.raises(StoreError, match="fails authentication") as info:
+        BlockStore(tmp_path / "two").sessions()
+    assert "\n" not in str(info.value)
+    assert [s.name for s in BlockStore(tmp_path / "one").sessions()] == ["one-talk"]
+
+
+def test_an_encrypted_store_made_before_store_ids_still_opens(tmp_path, key):
+    from kvsnap.store.index import BlockIndex
+    from kvsnap.store.sealed_files import SealedStoreFiles
+
+    old = SealedStoreFiles(tmp_path / "old", key)  # no store id: its index is bound to its path only
+    (tmp_path / "old").mkdir()
+    old.save_index(BlockIndex())
+    (tmp_path / "old" / "kvsnap-store.json").write_text(json.dumps(old.marker()))
+    assert "store_id" not in old.marker()["sealed"]
+    chain = make_chain()
+    put(BlockStore(tmp_path / "old"), chain, TOKENS, name="talk")
+    assert [s.name for s in BlockStore(tmp_path / "old").sessions()] == ["talk"]

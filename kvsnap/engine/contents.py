@@ -28,7 +28,7 @@ class Contents:
     messages: list[dict[str, str]] | None
     made_by: dict[str, Any] | None  # what computed the KV (kvsnap.engine.verify.recorded); None: unknown
     dropped_messages: int = 0  # of ``messages``, out of the model's view (kvsnap.types.chat_view)
-    key: SealKey | None = None  # a .kv file written of it is sealed with this key
+    key: SealKey | None = None  # its .kv files are sealed with this (sealing.save_key); a plain store refuses it
     marks: dict[str, Any] | None = None  # where the chat's exchanges end, its pending ids (kvsnap.conversation)
 
     def extra(self) -> dict[str, Any]:

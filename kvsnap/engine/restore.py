@@ -50,6 +50,7 @@ class Restored:
     dropped_messages: int = 0  # of ``messages``, out of the model's view (kvsnap.types.chat_view)
     pending: list[int] = field(default_factory=list)  # an answer's sampled ids not run yet (kvsnap.conversation)
     turn_ends: conversation.TurnEnds = field(default_factory=list)
+    sealed_with: SealKey | None = None  # the key of the encrypted snapshot it was read from
 
 
 def _marks(lm: LoadedModel, extra: dict[str, Any], messages: list[dict[str, str]] | None, tokens: list[int]) -> dict:
@@ -107,7 +108,7 @@ def from_snapshot(
             messages = list(meta.messages) if (prompt_ids is None and meta.messages is not None) else None
             stats = RestoreStats(str(path), meta.num_tokens, 0, 0, time.perf_counter() - t0)
             dropped = meta.dropped_messages if messages is not None else 0
-            return Restored(cache_for(lm), [], None, {}, messages, stats, dropped)
+            return Restored(cache_for(lm), [], None, {}, messages, stats, dropped, sealed_with=snap.key)
         if pre is not None:
             cache = cache_from_buffer(lm.config, arena.adopt(pre.kv, TORCH_DTYPES[lm.layout.dtype]), hit)
             stored = pre.stored
@@ -125,13 +126,13 @@ def from_snapshot(
         tokens = snap.tokens[:hit]
         # A partial prefix of a chat is no longer that chat: its messages would not match the tokens.
         messages = list(meta.messages) if (whole and meta.messages is not None) else None
+        sealed_with = snap.key
     made_by = (provenance.encode(provenance.parse(meta.extra.get("made_by"))),) * num_blocks
     seconds = time.perf_counter() - t0
     stats = RestoreStats(str(path), meta.num_tokens, hit, num_blocks, seconds, meta.block_size, made_by)
     dropped = meta.dropped_messages if messages is not None else 0
-    return Restored(
-        cache, tokens, logits, encoded, messages, stats, dropped, **_marks(lm, meta.extra, messages, tokens)
-    )
+    marks = _marks(lm, meta.extra, messages, tokens)
+    return Restored(cache, tokens, logits, encoded, messages, stats, dropped, **marks, sealed_with=sealed_with)
 
 
 def _read_blocks(lm: LoadedModel, snap: Snapshot, prompt_ids, hit: int, num_blocks: int) -> tuple[KVCache, list]:

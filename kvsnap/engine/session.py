@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvsnap import conversation, hashing, limits, prefix
+from kvsnap import conversation, hashing, limits, prefix, sealing
 from kvsnap.config import SamplingParams, SessionConfig
 from kvsnap.engine import costs, snapshot_save, store_save
 from kvsnap.engine import explain_sources as explaining
@@ -93,14 +93,8 @@ class Session:
         self.reset()
 
     block_size = property(lambda self: self.config.block_size)
-
-    @property
-    def namespace(self) -> str:
-        return self.config.namespace
-
-    @property
-    def codec(self) -> str:
-        return self.config.codec
+    namespace = property(lambda self: self.config.namespace)
+    codec = property(lambda self: self.config.codec)
 
     # -- state ------------------------------------------------------------------------------
 
@@ -116,6 +110,7 @@ class Session:
         self.encoded = EncodedBlocks()  # blocks already encoded as a save would write them
         self.inherited_made_by: tuple[str, ...] = ()  # restored KV's provenance, per block (verify.recorded)
         self.last_reuse: ReuseDecision | None = None  # the last load-or-recompute decision
+        self.sealed_with: sealing.SealKey | None = None  # the key of an encrypted snapshot read since the reset
 
     def root(self, block_size: int | None = None) -> bytes:
         return self.block_format.root(block_size)
@@ -162,6 +157,7 @@ class Session:
         self.encoded = EncodedBlocks(state.encoded)
         self.messages, self.dropped_messages = state.messages, state.dropped_messages
         self.inherited_made_by = state.stats.made_by
+        self.sealed_with = state.sealed_with or self.sealed_with
         return state.stats
 
     def restore(self, path: str | Path, prompt_ids: Sequence[int] | None = None) -> RestoreStats:
@@ -221,7 +217,9 @@ class Session:
         made_by = verifying.recorded(self.lm, self.inherited_made_by)
         held = (self.tokens, self.cache, self.encoded, self.last_logits, self.messages, made_by, self.dropped_messages)
         marks = conversation.record(self.turn_ends, self.pending) if self.messages else {}
-        return Contents(self.lm, self.block_format, *held, key=self.config.key, marks=marks)
+        # Sealed with --encrypt's key, else that of an encrypted snapshot or store it came from.
+        key = sealing.save_key(self.config.key, self.sealed_with, self.store.key if self.store is not None else None)
+        return Contents(self.lm, self.block_format, *held, key=key, marks=marks)
 
     def verify_restored(self, stats: RestoreStats | None) -> VerifyReport | None:
         """Spot check what was just restored (``config.verify``; see ``kvsnap.engine.verify``); None when

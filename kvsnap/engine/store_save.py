@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvsnap import provenance
+from kvsnap import provenance, sealing
 from kvsnap.engine.contents import Contents
+from kvsnap.errors import StoreError
 from kvsnap.store import BlockStore, ChainInfo
 from kvsnap.types import EncodedBlock
 
@@ -27,6 +28,7 @@ def blocks_for_store(store: BlockStore, contents: Contents, tokens: Sequence[int
 
 def store_blocks(store: BlockStore, contents: Contents) -> int:
     """See ``Session.store_blocks``."""
+    _refuse_clear(store, contents)
     bs = contents.fmt.block_size
     tokens = contents.tokens[: len(contents.tokens) // bs * bs]
     if not tokens:
@@ -37,12 +39,18 @@ def store_blocks(store: BlockStore, contents: Contents) -> int:
 
 def store_session(store: BlockStore, contents: Contents, name: str) -> int:
     """See ``Session.store_session`` (the caller runs the pending tokens first)."""
+    _refuse_clear(store, contents)
     if not contents.tokens:
         return 0
     blocks = blocks_for_store(store, contents, contents.tokens)
     kw: dict[str, Any] = dict(messages=contents.messages, last_logits=contents.logits_array(), extra=contents.extra())
     kw.update(_settings(contents))
     return store.add_session(name, chain_of(contents), contents.tokens, blocks, **kw).new_blocks
+
+
+def _refuse_clear(store: BlockStore, contents: Contents) -> None:
+    """Content that is sealed (--encrypt, or read from an encrypted snapshot) stays out of a plain store."""
+    sealing.refuse_clear_copy(contents.key, store.key, "what this session holds", StoreError)
 
 
 def _settings(contents: Contents) -> dict[str, Any]:

@@ -210,6 +210,11 @@ class Snapshot:
     def num_tokens(self) -> int:
         return self.meta.num_tokens
 
+    @property
+    def key(self) -> SealKey | None:
+        """The key an encrypted snapshot was opened with; None for a plain one."""
+        return self._key
+
     def read_stored(self, index: int) -> memoryview | bytes:
         """The stored (encoded) bytes of block ``index``, checksum verified; a view of the file, no copy
         (sealed: the opened bytes)."""
@@ -391,8 +396,7 @@ def _check_looks_like_safetensors(path: Path, mm: mmap.mmap) -> None:
     start = bytes(mm[8:9])
     if header_len <= len(mm) - 8 and start == b"{":
         return
-    head = bytes(mm[:16])
-    shown = repr(head.decode("ascii", "replace"))
     if header_len > len(mm) - 8 and start == b"{":
         raise SnapshotError(f"{path}: not a kvsnap snapshot: its header runs past the end of the file (truncated?)")
-    raise SnapshotError(f"{path}: not a kvsnap snapshot (a .kv file is safetensors; this one starts with {shown})")
+    # Never its bytes: the path may name anyone's file, and an error line may be shown or logged anywhere.
+    raise SnapshotError(f"{path}: not a kvsnap snapshot (a .kv file is safetensors; this one is not)")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,13 +29,14 @@ from typing import Any
 import numpy as np
 
 from kvsnap import hashing
-from kvsnap.errors import SaveError
+from kvsnap.errors import KvsnapError, SaveError
 from kvsnap.format import codec as codecs
 from kvsnap.format import sealed
 from kvsnap.format.atomic import atomic_write
 from kvsnap.format.meta import SnapshotHeader, build_meta
 from kvsnap.hashing import checksum
 from kvsnap.limits import MAX_HEADER_BYTES
+from kvsnap.paths import check_save_target, open_regular
 from kvsnap.sealing import SealKey
 from kvsnap.types import EncodedBlock
 
@@ -75,6 +77,7 @@ def write_snapshot(
     """
     if sum(b.num_tokens for b in blocks) != len(tokens):
         raise ValueError("blocks do not cover the tokens")
+    refuse_foreign(path, error=SaveError)
     token_data = hashing.token_bytes(tokens)
     logits_data = None
     if last_logits is not None:
@@ -119,3 +122,48 @@ def write_snapshot(
             f"{MAX_HEADER_BYTES:,} (too many blocks or too much chat text: use a larger block size)"
         )
     return atomic_write(Path(path), [struct.pack("<Q", len(header_bytes)), header_bytes, *payloads])
+
+
+def check_snapshot_target(path: str | os.PathLike[str], *, error: type[KvsnapError], foreign: bool = True) -> None:
+    """Refuse, with ``error`` and one line, a save target a snapshot could not replace or must not:
+    ``paths.check_save_target``'s (a missing folder, a link, a special file), a folder this process
+    cannot create a file in, and (``foreign``) an existing file that is not a kvsnap snapshot
+    (someone's notes, a model's weights: a save replaces a snapshot only). Callers check before the
+    work a save ends."""
+    check_save_target(path, error=error)
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        # A file made and removed at once, named as a save's temp file: permissions alone do not tell
+        # (root, a read-only mount, /proc).
+        fd, probe = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise error(f"{path}: cannot save there, cannot create a file in {folder} ({exc.strerror or exc})") from None
+    if foreign:
+        refuse_foreign(path, error=error)
+
+
+def refuse_foreign(path: str | os.PathLike[str], *, error: type[KvsnapError]) -> None:
+    """Refuse to replace an existing file that is not a kvsnap snapshot (every save checks)."""
+    if os.path.lexists(path) and not _holds_a_snapshot(path, error):
+        raise error(f"{path}: exists and is not a kvsnap snapshot; kvsnap replaces snapshots only (name another file)")
+
+
+def _holds_a_snapshot(path: str | os.PathLike[str], error: type[KvsnapError]) -> bool:
+    """Whether ``path``'s header is a kvsnap snapshot's (plain or sealed): safetensors whose metadata
+    names kvsnap. Only the header is read."""
+    with open_regular(path, error=error, what="file") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) < 8:
+            return False
+        (length,) = struct.unpack("<Q", head)
+        if length > min(MAX_HEADER_BYTES, size - 8):
+            return False
+        try:
+            header = json.loads(f.read(length))
+        except (ValueError, RecursionError):
+            return False
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return isinstance(meta, dict) and "kvsnap" in meta

@@ -2,6 +2,7 @@
 
 resolve          names to folders: the default model, a folder, a .gguf file, a hub name
 hub              hub names downloaded with huggingface_hub (progress, resume, offline: the cache only)
+hub_answers      what a hub answers a download, checked before huggingface_hub makes paths of it
 convert          GGUF files converted once, by content, into standard checkpoints
 catalog          what kvsnap keeps under $KVSNAP_HOME/models and /quantized: listing, removing
 locate           a snapshot's model folder and tokenizer on this machine, without loading anything

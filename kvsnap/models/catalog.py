@@ -289,6 +289,10 @@ def _forget_hub(names: set[str]) -> tuple[list[Path], list[str]]:
             elif _is_hub_cache_folder(cache):
                 shutil.rmtree(cache)
                 removed.append(cache)
+                # huggingface_hub's lock files for the download, made beside the cache folder with it.
+                locks = cache.parent / ".locks" / cache.name
+                if locks.is_dir() and not locks.is_symlink():
+                    shutil.rmtree(locks, ignore_errors=True)
         replace_whole(root / HUB_RECORD, [json.dumps(record, indent=1, sort_keys=True).encode()])
     return removed, kept
 

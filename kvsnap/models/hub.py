@@ -6,20 +6,27 @@ environment is read when a download starts, not when ``huggingface_hub`` was imp
 (a mirror, or the tests' fake hub), ``HF_HOME`` / ``HF_HUB_CACHE`` (where the cache is), ``HF_TOKEN``
 (private and gated repos) and ``HF_HUB_OFFLINE`` (the local cache only).
 A model already complete in the cache is used without asking the network; ``kvsnap pull`` asks.
+
+huggingface_hub builds cache paths from what the server says (the commit id, each file's ETag), so a
+hostile ``HF_ENDPOINT`` could name a path outside the cache: kvsnap lists the repo once and fetches
+each file it needs with every answer checked (``hub_answers``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvsnap.errors import ModelError, one_line
 from kvsnap.models import catalog
+from kvsnap.models import hub_answers as answers
 
 Progress = Callable[[str], None]
 
@@ -42,6 +49,7 @@ MODEL_FILES = (
     "chat_template.json",
 )
 _REPORT_EVERY_S = 0.25
+_PARALLEL = 8  # files fetched at once, as huggingface_hub's snapshot_download does
 
 
 def parse_name(spec: str) -> tuple[str, str | None] | None:
@@ -120,33 +128,53 @@ def _cached(repo: str, file: str | None) -> Path | None:
     try:
         with _quiet_hub():
             if file is not None:
-                return Path(hf_hub_download(repo, file, cache_dir=hub_cache(), local_files_only=True))
-            folder = Path(
-                snapshot_download(repo, cache_dir=hub_cache(), local_files_only=True, allow_patterns=MODEL_FILES)
-            )
+                found = Path(hf_hub_download(repo, file, cache_dir=hub_cache(), local_files_only=True))
+            else:
+                found = Path(
+                    snapshot_download(repo, cache_dir=hub_cache(), local_files_only=True, allow_patterns=MODEL_FILES)
+                )
+        if not answers.inside_cache(repo_cache(repo), found):
+            return None  # fetched again, through the checks, which refuse what is there
     except Exception:
         return None
-    return folder if (folder / "config.json").is_file() else None
+    return found if file is not None or (found / "config.json").is_file() else None
 
 
 def _download(repo: str, file: str | None, name: str, progress: Progress) -> Path:
-    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+    from huggingface_hub import HfApi, get_session, hf_hub_download
 
     token = os.environ.get("HF_TOKEN") or None
     bar = progress_bar_class(name, progress)
+    info = HfApi(endpoint=endpoint(), token=token).model_info(repo, files_metadata=True)
+    commit, sizes = answers.listing(endpoint(), repo, info)
     if file is not None:
-        path = hf_hub_download(repo, file, cache_dir=hub_cache(), endpoint=endpoint(), token=token, tqdm_class=bar)
-        return Path(path)
-    info = HfApi(endpoint=endpoint(), token=token).model_info(repo)
-    files = [s.rfilename for s in info.siblings or []]
-    if "config.json" not in files or not any(f.endswith(".safetensors") for f in files):
-        ggufs = [f for f in files if f.endswith(".gguf")]
-        hint = f"; a GGUF in it is named {repo}:{ggufs[0]}" if ggufs else ""
-        raise ModelError(f"{repo} has no safetensors weights with a config.json (kvsnap takes those or a .gguf){hint}")
-    folder = snapshot_download(
-        repo, cache_dir=hub_cache(), endpoint=endpoint(), token=token, allow_patterns=MODEL_FILES, tqdm_class=bar
-    )
-    return Path(folder)
+        if file not in sizes:
+            raise ModelError(f"{repo} has no file {file}")
+        wanted = [file]
+    else:
+        files = list(sizes)
+        if "config.json" not in files or not any(f.endswith(".safetensors") for f in files):
+            ggufs = [f for f in files if f.endswith(".gguf")]
+            hint = f"; a GGUF in it is named {repo}:{ggufs[0]}" if ggufs else ""
+            raise ModelError(
+                f"{repo} has no safetensors weights with a config.json (kvsnap takes those or a .gguf){hint}"
+            )
+        wanted = [f for f in files if any(fnmatch.fnmatch(f, pattern) for pattern in MODEL_FILES)]
+    for f in wanted:
+        answers.check_declared(endpoint(), repo, f, sizes[f])
+    hooks = get_session().event_hooks["response"]
+    if answers.check_response not in hooks:
+        hooks.append(answers.check_response)  # the shared client's: every request of the download passes it
+
+    def one(f: str) -> Path:
+        expected = answers.Expected(endpoint(), repo_cache(repo), repo, f, commit, sizes[f] or 0)
+        with answers.expecting(expected):
+            path = hf_hub_download(repo, f, cache_dir=hub_cache(), endpoint=endpoint(), token=token, tqdm_class=bar)
+        return answers.check_file(expected, Path(path))
+
+    with ThreadPoolExecutor(max_workers=min(_PARALLEL, len(wanted))) as pool:
+        paths = list(pool.map(one, wanted))
+    return paths[0] if file is not None else repo_cache(repo) / "snapshots" / commit
 
 
 def _problem(exc: Exception, repo: str, file: str | None) -> str:
@@ -162,7 +190,7 @@ def _problem(exc: Exception, repo: str, file: str | None) -> str:
     if isinstance(exc, errors.RevisionNotFoundError):
         return f"{repo}: no such revision on {where}"
     if isinstance(exc, errors.RemoteEntryNotFoundError):
-        return f"{repo} has no file {file}"
+        return f"{repo} has no file {file}" if file else f"{repo}: a file it lists is not on {where}"
     status = getattr(getattr(exc, "response", None), "status_code", None)
     if isinstance(exc, errors.HfHubHTTPError) and status is not None and status < 500:
         return f"{where} refused {repo} (HTTP {status}): {one_line(exc)}"

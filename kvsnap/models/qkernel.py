@@ -24,6 +24,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import stat
 import subprocess
@@ -57,15 +58,22 @@ def _cpu_reason() -> str | None:
     return f"the CPU lacks {', '.join(missing)}" if missing else None
 
 
-def _compiler() -> tuple[str, str] | None:
-    cc = shutil.which(os.environ.get("CC") or "cc")
+def _compiler() -> tuple[list[str], str] | str:
+    """The compiler's command line (``$CC`` may carry arguments: ``gcc -march=native``) and its version
+    line; else why there is none, in words."""
+    given = os.environ.get("CC") or "cc"
+    try:
+        words = shlex.split(given)
+    except ValueError as exc:
+        return f"CC={given!r} is not a command line ({exc})"
+    cc = shutil.which(words[0]) if words else None
     if cc is None:
-        return None
+        return f"no C compiler ({words[0] if words else 'CC is empty'} is not on PATH)"
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return cc, version.splitlines()[0] if version else ""
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"no C compiler ({cc} --version failed: {exc})"
+    return [cc, *words[1:]], version.splitlines()[0] if version else ""
 
 
 def _private_dir(path: Path) -> bool:
@@ -84,7 +92,7 @@ def _trusted_file(path: Path) -> bool:
     return stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o022
 
 
-def _build(folder: Path, cc: str, name: str) -> Path:
+def _build(folder: Path, cc: list[str], name: str) -> Path:
     target = folder / name
     if _trusted_file(target):
         return target
@@ -92,10 +100,10 @@ def _build(folder: Path, cc: str, name: str) -> Path:
     try:
         out = work / name
         done = subprocess.run(
-            [cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True, timeout=300
+            [*cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True, timeout=300
         )
         if done.returncode != 0:
-            raise OSError(f"{Path(cc).name} failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+            raise OSError(f"{Path(cc[0]).name} failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
         os.chmod(out, 0o600)
         os.replace(out, target)  # a link or file someone put at the name is replaced, never written through
     finally:
@@ -103,7 +111,16 @@ def _build(folder: Path, cc: str, name: str) -> Path:
     return target
 
 
+SYMBOLS = ("kv_abi_version", "kv_quantize_rows", "kv_matmul_q4", "kv_matmul_q8", "kv_quantize_q4", "kv_layer_qkv",
+           "kv_layer_rest", "kv_layers")  # fmt: skip
+
+
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    # A library at the name that lacks an entry point (another build, a planted file) is refused here,
+    # not found out by the first product that calls it.
+    missing = [name for name in SYMBOLS if not hasattr(lib, name)]
+    if missing:
+        raise OSError(f"the library lacks {', '.join(missing)}")
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.kv_abi_version.restype = ctypes.c_int
     lib.kv_quantize_rows.argtypes = [p, i64, i64, p, p, p]
@@ -135,13 +152,13 @@ def _library() -> ctypes.CDLL | None:
         return None
     reason = _cpu_reason()
     found = _compiler() if reason is None else None
-    if reason is None and found is None:
-        reason = f"no C compiler ({os.environ.get('CC') or 'cc'})"
-    if reason is not None:
-        _reason.append(reason)
+    if isinstance(found, str):
+        reason = found
+    if reason is not None or found is None:
+        _reason.append(reason or "unavailable")
         return None
     cc, version = found
-    digest = hashlib.sha256(SOURCE.read_bytes() + f"|{version}|{' '.join(FLAGS)}".encode()).hexdigest()[:24]
+    digest = hashlib.sha256(SOURCE.read_bytes() + f"|{version}|{' '.join([*cc[1:], *FLAGS])}".encode()).hexdigest()[:24]
     folder = kvsnap_home() / "kernels"
     try:
         if not _private_dir(folder):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from kvsnap.config import DEFAULT_MODEL
 from kvsnap.errors import ModelError
-from kvsnap.models import convert, hub
+from kvsnap.models import convert, hub, hub_answers
 from kvsnap.models.catalog import is_ready, kvsnap_home, models_root
 from kvsnap.models.convert import Progress, convert_gguf, noop, quiet_transformers
 
@@ -123,18 +123,8 @@ def _repaired(folder: Path, progress: Progress) -> Path:
 
 # Files a loader may read from a model folder (kvsnap, transformers, tokenizers, safetensors).
 _MODEL_FILE_SUFFIXES = (".json", ".jinja", ".safetensors", ".bin", ".pt", ".model", ".txt", ".tiktoken", ".gguf")
-# Small JSON files that transformers reads whole: bounded as kvsnap's own reads of them are.
-_SMALL_JSON = {
-    "config.json",
-    "generation_config.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.json",
-    "preprocessor_config.json",
-    "model.safetensors.index.json",
-}
-SMALL_JSON_LIMIT = 16 << 20
+_SMALL_JSON = hub_answers.SMALL_JSON  # transformers reads them whole: bounded as kvsnap's own reads of them are
+SMALL_JSON_LIMIT = hub_answers.SMALL_JSON_LIMIT
 MAX_FOLDER_ENTRIES = 10_000
 
 

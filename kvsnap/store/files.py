@@ -23,6 +23,7 @@ import re
 import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvsnap.errors import StoreError
 from kvsnap.format.atomic import locked, replace_whole
@@ -32,6 +33,9 @@ from kvsnap.store.index import INDEX_FORMAT, BlockIndex
 from kvsnap.store.index_json import index_from_json, index_to_json
 from kvsnap.store.reading import listdir, open_regular, read_at, read_regular
 from kvsnap.store.records import BlockRecord, ChainInfo, record_problem
+
+if TYPE_CHECKING:
+    from kvsnap.sealing import SealKey
 
 INDEX_NAME = "index.json"
 LOCK_NAME = ".lock"
@@ -45,6 +49,8 @@ REPAIR_HINT = "repair rebuilds it from the block files (kvsnap store check --rep
 
 class StoreFiles:
     """Paths and checked whole-file I/O under one store folder."""
+
+    key: SealKey | None = None  # an encrypted store's (sealed_files)
 
     def __init__(self, root: Path):
         self.root = root

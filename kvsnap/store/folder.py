@@ -86,7 +86,7 @@ def open_store(files: StoreFiles, create: bool, key: SealKey | None = None) -> S
         if not create:
             raise StoreError(f"{root}: no kvsnap block store here")
         if key is not None:
-            files = SealedStoreFiles(root, key)
+            files = SealedStoreFiles(root, key, os.urandom(16).hex())
         files.save_index(BlockIndex())
         _write_marker(files)
         return files
@@ -121,11 +121,14 @@ def _files_of(files: StoreFiles, marker: dict[str, Any], key: SealKey | None) ->
         return files
     if not isinstance(sealed, dict) or sealed.get("cipher") != CIPHER or not isinstance(sealed.get("key_id"), str):
         raise StoreError(f"{files.marker_path}: not a kvsnap store marker (damaged?)")
+    store_id = sealed.get("store_id", "")
+    if not isinstance(store_id, str) or not re.fullmatch(r"([0-9a-f]{32})?", store_id):
+        raise StoreError(f"{files.marker_path}: not a kvsnap store marker (damaged?)")
     try:
         key = resolve_key(sealed["key_id"], key, what=f"{root}: encrypted store", other_key="of another key")
     except KeyResolutionError as exc:
         raise StoreError(str(exc)) from None
-    return SealedStoreFiles(root, key)
+    return SealedStoreFiles(root, key, store_id)
 
 
 def _write_marker(files: StoreFiles) -> None:

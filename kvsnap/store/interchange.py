@@ -9,12 +9,13 @@ from pathlib import Path
 
 import numpy as np
 
-from kvsnap import provenance
+from kvsnap import provenance, sealing
 from kvsnap.errors import StoreError
 from kvsnap.format import codec as codecs
 from kvsnap.format.meta import SnapshotHeader
 from kvsnap.format.reader import Snapshot
 from kvsnap.format.writer import encode_block, write_snapshot
+from kvsnap.sealing import SealKey
 from kvsnap.store.records import ChainInfo, PutResult
 from kvsnap.store.store import BlockStore
 from kvsnap.types import EncodedBlock, Messages
@@ -29,15 +30,18 @@ class SessionExport:
     blocks: tuple[EncodedBlock, ...]
     last_logits: np.ndarray | None
     messages: Messages | None
+    key: SealKey | None = None  # an encrypted store's: the file is sealed with it (kvsnap.sealing.save_key)
 
     @property
     def codec(self) -> str:
         return self.header.codec
 
     def write(self, path: str | os.PathLike[str]) -> int:
-        """Write the ``.kv`` file atomically; returns its size."""
+        """Write the ``.kv`` file atomically (sealed when the store is encrypted); returns its size."""
+        key = sealing.save_key(None, self.key)
+        logits, messages = self.last_logits, self.messages
         return write_snapshot(
-            path, self.header, self.tokens, self.blocks, last_logits=self.last_logits, messages=self.messages
+            path, self.header, self.tokens, self.blocks, last_logits=logits, messages=messages, key=key
         )
 
 
@@ -82,6 +86,7 @@ def session_export(store: BlockStore, name: str) -> SessionExport:
         blocks=tuple(blocks),
         last_logits=np.frombuffer(logits, dtype="<f4").copy() if logits is not None else None,
         messages=session.messages,
+        key=store.key,
     )
 
 
@@ -108,8 +113,10 @@ def import_snapshot(
     store: BlockStore, path: str | os.PathLike[str], name: str | None = None, *, pin: bool | None = None
 ) -> PutResult:
     """Add a ``.kv`` file's blocks (verified, not re-encoded) and record it as session ``name``
-    (default: the file name without ``.kv``), with its chat messages and last-position logits."""
+    (default: the file name without ``.kv``), with its chat messages and last-position logits. An
+    encrypted snapshot goes into an encrypted store only."""
     with Snapshot(path) as snap:
+        sealing.refuse_clear_copy(snap.key, store.key, str(path), StoreError)
         meta = snap.meta
         refuse_inexact(path, meta.codec, meta.layout.dtype, meta.storage_layout.dtype)
         # Copies: the snapshot's map closes with the file.

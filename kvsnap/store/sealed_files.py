@@ -40,9 +40,12 @@ _BLOCK_FILE_LIMIT = 2 * MAX_BLOCK_BYTES + blockfile.TAIL + blockfile.TRAILER_LIM
 class SealedStoreFiles(StoreFiles):
     """``StoreFiles`` of an encrypted store: the same folder layout, sealed files, keyed names."""
 
-    def __init__(self, root: Path, key: SealKey):
+    def __init__(self, root: Path, key: SealKey, store_id: str = ""):
+        """``store_id``: the random id in the store's marker, which the index is sealed to ("": a store
+        made before stores had one, whose index is bound to its path only)."""
         super().__init__(root)
         self.key = key
+        self.store_id = store_id
 
     # -- names ------------------------------------------------------------------------------------
 
@@ -57,12 +60,19 @@ class SealedStoreFiles(StoreFiles):
         return n + OVERHEAD
 
     def marker(self) -> dict:
-        return {**super().marker(), "version": 2, "sealed": {"cipher": CIPHER, "key_id": self.key.key_id}}
+        sealed = {"cipher": CIPHER, "key_id": self.key.key_id, **({"store_id": self.store_id} if self.store_id else {})}
+        return {**super().marker(), "version": 2, "sealed": sealed}
 
     # -- sealing ----------------------------------------------------------------------------------
 
     def _aad(self, path: Path) -> bytes:
-        return "/".join(self._rel(path)).encode()
+        rel = "/".join(self._rel(path)).encode()
+        # The index says which sessions and blocks the store holds: sealed to this store, another
+        # store's index copied over it does not open. Blocks are named by content, so any store of
+        # the key may hold one.
+        if path == self.index_path and self.store_id:
+            return b"store " + self.store_id.encode() + b"\x00" + rel
+        return rel
 
     def _open(self, path: Path, sealed: bytes) -> bytes:
         try:

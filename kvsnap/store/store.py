@@ -75,6 +75,11 @@ class BlockStore:
         if budget_bytes is not None:
             self.set_budget(budget_bytes)
 
+    @property
+    def key(self) -> SealKey | None:
+        """The key an encrypted store's files are sealed with; None for a plain store."""
+        return self.files.key
+
     # -- reading ---------------------------------------------------------------------------------
 
     def read_index(self) -> BlockIndex:
