@@ -327,13 +327,7 @@ class Snapshot:
         return problems
 
     def check_compatible(
-        self,
-        *,
-        model: str,
-        fingerprint: str,
-        root: bytes,
-        layout: KVLayout,
-        fingerprint_parts: dict[str, str] | None = None,
+        self, *, model: str, fingerprint: str, root: bytes, layout: KVLayout, fingerprint_parts: dict | None = None
     ) -> None:
         """Refuse a snapshot written for another model, dtype or namespace, saying which differs."""
         m = self.meta
