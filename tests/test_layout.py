@@ -56,11 +56,13 @@ MAY_IMPORT_TORCH = {
     "kvsnap.models.decode_step",
     "kvsnap.models.exact",
     "kvsnap.models.fused",
+    "kvsnap.models.gguf_codes",
     "kvsnap.models.native",
     "kvsnap.models.packing",
     "kvsnap.models.qkernel",
     "kvsnap.models.qstep",
     "kvsnap.models.quantized_file",
+    "kvsnap.models.quantized_load",
     "kvsnap.models.quantize",
     "kvsnap.models.weight_codes",
 }

@@ -173,3 +173,66 @@ def test_the_default_models_quantized_weights_are_its_ggufs_own_values_bit_for_b
                 assert torch.equal(module.dequantized(torch.float32), torch.from_numpy(want)), f"{i} {short}"
                 checked += 1
         assert checked == 7 * len(layers)
+
+
+def _with_q4_0_tensors(src, dst, names: set[str]):
+    """A copy of the GGUF ``src`` whose tensors ``names`` (Q4_1 there) are requantized to Q4_0 by gguf-py."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import dequantize, quantize
+
+    reader = GGUFReader(str(src))
+    writer = GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        writer.add_key_value(
+            field.name, field.contents(), kind, sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None
+        )
+    tensors = []
+    for t in reader.tensors:
+        data, qtype = t.data, t.tensor_type
+        if t.name in names:
+            data, qtype = quantize(dequantize(t.data, qtype), GGMLQuantizationType.Q4_0), GGMLQuantizationType.Q4_0
+        tensors.append((t.name, data, qtype))
+        writer.add_tensor_info(t.name, data.shape, data.dtype, data.nbytes, qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for _, data, _ in tensors:
+        writer.write_tensor_data(data)
+    writer.close()
+    return dst
+
+
+@pytest.mark.slow
+def test_a_q4_0_ggufs_own_blocks_are_the_int4_codes_bit_for_bit(tmp_path, monkeypatch):
+    """Q4_0 is symmetric: its float values quantized again as Q4_1 would not be its blocks. They are read from
+    the file, kept, and mapped by the next load."""
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from kvsnap.models import default_gguf_path
+
+    names = {"blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.ffn_down.weight", "blk.1.attn_v.weight"}
+    gguf = _with_q4_0_tensors(default_gguf_path(), tmp_path / "mixed-q4_0.gguf", names)
+    monkeypatch.setenv("KVSNAP_HOME", str(tmp_path / "home"))
+    said: list[str] = []
+    lm = load_model(str(gguf), device="cpu", quantize="int4", progress=said.append)
+    assert lm.model.quantization == "int4-a16+q4_0"
+    assert any("kept the int4 weights" in line for line in said)
+    tensors = {t.name: t for t in GGUFReader(str(gguf)).tensors}
+    for name in names:
+        t = tensors[name]
+        want = np.ascontiguousarray(dequantize(t.data, t.tensor_type))
+        layer, short = int(name.split(".")[1]), name.split(".")[2]
+        if short in ("attn_q", "attn_k"):
+            want = np.ascontiguousarray(_unpermute(want, 9 if short == "attn_q" else 3))
+        module = lm.model.model.layers[layer].get_submodule(_GGUF_NAMES[short])
+        assert torch.equal(module.dequantized(torch.float32), torch.from_numpy(want)), name
+    again = load_model(str(gguf), device="cpu", quantize="int4")
+    assert "mapped" in again.load_timings and again.fingerprint == lm.fingerprint
+    ids = torch.tensor([list(range(100, 140))])
+    with torch.inference_mode():
+        assert torch.equal(again.model(ids).logits, lm.model(ids).logits)

@@ -172,7 +172,7 @@ def load_model(
     import torch  # noqa: F401
 
     mark("torch")
-    from kvsnap.models import architecture, native, native_config, quantized_file
+    from kvsnap.models import architecture, native, native_config, quantized_load
     from kvsnap.models.quantize import kv_dtype
 
     mark("kvsnap.engine")
@@ -198,7 +198,7 @@ def load_model(
     if use_native and native_config.unsupported_reason(config, dev) is None:
         try:
             if quantization != "none":
-                model = quantized_file.native_model(
+                model = quantized_load.native_model(
                     folder, config, raw_config, torch_dtype, quantization, _tied_aliases(folder), progress, mark
                 )
                 quantized = True

@@ -268,9 +268,10 @@ def check_linear(module: nn.Module, name: str) -> None:
 # -- a model, one linear at a time -------------------------------------------------------------------
 
 
-def apply(model: Any, mode: str, dtype: torch.dtype) -> None:
+def apply(model: Any, mode: str, dtype: torch.dtype, given: dict[str, dict] | None = None) -> None:
     """Quantize ``model``'s linear layers (``mode``: ``int8`` or ``int4``), its embedding and lm_head in
-    int8, in place, one layer at a time: each float weight is dropped once its codes exist."""
+    int8, in place, one layer at a time: each float weight is dropped once its codes exist. ``given``: int4
+    codes on kvsnap's kernel made elsewhere, by module name (``kvsnap.models.gguf_codes``), used as they are."""
     if mode not in ("int8", "int4"):
         raise ConfigError(f"cannot quantize to {mode!r} (int8, int4)")
     bits = 4 if mode == "int4" else 8
@@ -284,7 +285,14 @@ def apply(model: Any, mode: str, dtype: torch.dtype) -> None:
         check_linear(module, name)
     for name, module in linears:
         owner, attr = _owner(model, name)
-        setattr(owner, attr, QuantizedLinear(module.weight, getattr(module, "bias", None), bits))
+        codes, bias = (given or {}).get(name), getattr(module, "bias", None)
+        if codes is not None and bits == 4 and kernel_for(module.weight.device, module.weight.shape[1]):
+            with_bias = {**codes, "bias": None if bias is None else bias.detach().clone()}
+            shape = tuple(module.weight.shape)
+            layer = QuantizedLinear.from_codes(with_bias, bits=4, group=GROUP_SIZE, kernel="a16", shape=shape)
+        else:
+            layer = QuantizedLinear(module.weight, bias, bits)
+        setattr(owner, attr, layer)
         module.weight = None  # the float weight goes now, not when the walk ends
     quantized_embedding = QuantizedEmbedding(embedding.weight, dtype, scale)
     setattr(embed_owner, embed_name, quantized_embedding)
