@@ -79,10 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     for mode in args.modes:
         if mode != "none":
             for form in catalog.quantized_forms(folder):
-                form.unlink()
+                if f"-{mode}-" in form.name:  # this mode's only: the others' are measured already
+                    form.unlink()
         first = _child(model, mode, args.tokens)
         later = [_child(model, mode, args.tokens) for _ in range(args.repeats)]
-        forms = catalog.quantized_forms(folder) if mode != "none" else []
+        forms = [p for p in catalog.quantized_forms(folder) if f"-{mode}-" in p.name] if mode != "none" else []
         kept = sum(p.stat().st_size for p in forms)
         for label, runs in (("first", [first]), ("later", later)):
             if mode == "none" and label == "first":
