@@ -7,7 +7,8 @@ as soon as its quantized copy exists), the weights stay near the GGUF's own size
 - ``int8``: one scale per output channel (symmetric), ``torch.ops.aten._weight_int8pack_mm``.
 - ``int4``: groups of ``GROUP_SIZE`` inputs, a scale and a zero per group (asymmetric, like GGUF's Q4_1),
   ``_weight_int4pack_mm_for_cpu`` over ``_convert_weight_to_int4pack_for_cpu``'s layout. A linear whose
-  input width is not a multiple of the group size is kept in int8.
+  input width is not a multiple of the group size is kept in int8, and so is one whose output width
+  torch's packer cannot take (``TORCH_INT4_ROWS``) where torch's kernel would run it.
 - The embedding, and the lm_head (tied to it or not), are int8 per row under both: the lm_head decides
   every token, and int8 costs it little memory next to the layers.
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ from kvsnap.quantization import KERNEL_SUFFIX
 MODES = ("none", "int8", "int4", "auto")
 GROUP_SIZE = 32  # GGUF's Q4 block; group 64 measured worse perplexity for a few % less memory
 COMPUTE_DTYPE = torch.bfloat16
+TORCH_INT4_ROWS = 16  # torch's int4 packer takes output widths in multiples of this only
 
 
 def check_mode(mode: str) -> str:
@@ -152,10 +155,13 @@ class QuantizedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bits: int, group: int = GROUP_SIZE):
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.kernel = "a16" if group == qkernel.GROUP and kernel_for(weight.device, self.in_features) else "bf16"
         if bits == 4 and self.in_features % group:
             bits = 8  # the kernels take whole groups only
+        torch_packed = self.kernel == "bf16" and weight.device.type == "cpu"
+        if bits == 4 and torch_packed and self.out_features % TORCH_INT4_ROWS:
+            bits = 8  # torch's packer refuses it (a traceback, not a model)
         self.bits, self.group = bits, group
-        self.kernel = "a16" if group == qkernel.GROUP and kernel_for(weight.device, self.in_features) else "bf16"
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.q4 = None  # the GPU path's plain codes
         if bits == 8:
@@ -232,6 +238,21 @@ def _pack_int4(q: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # [N, K/2] uint8, the kernel's order
     return torch.empty(0, dtype=torch.uint8, device=device)  # the GPU path keeps plain codes (q4)
+
+
+@functools.cache
+def packs_concatenate(widths: tuple[int, ...]) -> bool:
+    """Whether torch's int4 packing of parts ``widths`` outputs wide, laid end to end along the outputs, is
+    the packing of their codes laid end to end: it packs the outputs in blocks (32 or 64 by the CPU), so
+    a part that ends inside a block leaves the next part's codes where the kernel does not read them.
+    Probed on random codes (the layout does not depend on the input width), not read from torch's source."""
+    if any(w % TORCH_INT4_ROWS for w in widths):
+        return False
+    cpu = torch.device("cpu")
+    seeded = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (sum(widths), GROUP_SIZE), dtype=torch.int32, generator=seeded)
+    parts = torch.cat([_pack_int4(part.contiguous(), cpu) for part in codes.split(list(widths))])
+    return torch.equal(parts, _pack_int4(codes, cpu))
 
 
 def _unpack_int4(layer: QuantizedLinear) -> torch.Tensor:
