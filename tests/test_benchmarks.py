@@ -286,3 +286,15 @@ def test_shaped_quantized_benchmark_builds_runs_saves_and_restores(bench, tiny_m
     assert longer["kv_mb"] == 2.5 * row["kv_mb"] and longer["decode_tok_s"] > 0
     # One bfloat16 shard per layer, besides the embedding and the head.
     assert len(list(folder.glob("layer-*.safetensors"))) == 2
+
+
+def test_verify_benchmark(bench, tiny_model_dir):
+    args = ("--model", str(tiny_model_dir("llama")), "--lengths", "200", "--block-size", "32", "--repeats", "1")
+    out, data = bench("verify", *args)
+    (row,) = data["rows"]
+    assert "verify_s" in out and row["tokens"] == 216
+    # 200 tokens of 32-token blocks: 7 restored; the first, the last and one between, each a block's prefill
+    # and two one-token forwards (the last block holds 8 tokens).
+    assert row["blocks_checked"] == 3 and row["blocks"][0] == 0 and row["blocks"][-1] == 6
+    assert row["check_tokens"] == (32 + 2) * 2 + (8 + 2)
+    assert row["verify_s"] > 0 and row["max_abs_diff"] < 1e-4
