@@ -17,6 +17,9 @@ kernels are reference loops (10-30x slower than the bfloat16 ones on the 2-core 
 cast back, so the rest of the forward keeps its dtype. On a GPU (a transformers model), the weight is
 dequantized per product instead: correct everywhere, small in memory, not tuned for speed.
 
+On torch's CPU kernels the native forward always runs batch-invariant (``runs_exact``), so a resume
+equals the cold run as on kvsnap's kernel; there it costs what ``--exact`` costs (``benchmarks/exact.py``).
+
 A quantized model is another model: its KV differs from the float one's, so the quantization is part of
 the fingerprint (``kvsnap.models.fingerprint``), and a snapshot made with one is refused by the other.
 """
@@ -313,10 +316,22 @@ def apply(model: Any, mode: str, dtype: torch.dtype) -> None:
             # the whole mapping, and every page the quantization read, resident.
             tensor.data = tensor.data.to(dtype).clone()
     kernels = {m.kernel for m in model.modules() if isinstance(m, QuantizedLinear)}
+    model.batch_invariant = any(
+        m.kernel == "bf16" and m.qweight.device.type == "cpu" for m in model.modules() if isinstance(m, QuantizedLinear)
+    )
     # The fingerprint's name of it: torch's bfloat16 products keep the plain name, kvsnap's kernel adds its own.
     names = {frozenset({"a16"}): f"{mode}{KERNEL_SUFFIX}", frozenset({"bf16"}): mode}
     model.quantization = names.get(frozenset(kernels), f"{mode}-mixed")
     return_freed_memory()
+
+
+def runs_exact(model: Any) -> bool:
+    """Whether ``model``'s forwards must all run batch-invariant (``kvsnap.models.exact``) for a token's KV
+    not to depend on the chunk it ran in: some product runs on torch's CPU kernels. Those round each
+    product's input to bfloat16, so the few ulps a float32 attention differs by between chunk sizes turn
+    into whole bfloat16 ulps, and a resume into another answer than the cold run's (kvsnap's kernel
+    computes every row alike: no need). Their products are tiled as every exact product is."""
+    return bool(getattr(model, "batch_invariant", False))
 
 
 def return_freed_memory() -> None:
