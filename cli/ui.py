@@ -357,8 +357,11 @@ def verify_line(row: dict[str, Any]) -> str:
     """One line on a spot check of reused KV (--verify, or automatic after a version change)."""
     v = row["verify"]
     verdict = "passed" if v["passed"] else "refused, recomputed"
+    blocks = v.get("blocks") or [v["block"]]
+    which = f"block {blocks[0]:,}" if len(blocks) == 1 else f"blocks {', '.join(f'{b:,}' for b in blocks)}"
+    worst = f" (worst: block {v['block']:,})" if len(blocks) > 1 else ""
     return (
-        f"verified block {v['block']:,} ({v['reason']}): K/V max |diff| {row['verify_max_abs_diff']:.3g} "
+        f"verified {which}, every layer ({v['reason']}){worst}: K/V max |diff| {row['verify_max_abs_diff']:.3g} "
         f"(allowed {v['max_abs_allowed']:.3g}), logits {v['logits_max_abs_diff']:.3g} "
         f"(allowed {v['logits_max_abs_allowed']:.3g}); {verdict}; {v['tokens']} tokens, {row['verify_s']:.3f} s"
     )

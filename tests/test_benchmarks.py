@@ -298,3 +298,15 @@ def test_quantized_load_benchmark_keeps_the_form_once_and_maps_it_after(bench, t
     assert set(rows) >= {("none", "-"), ("int4-a16", "first"), ("int4-a16", "later"), ("int8-a16", "later")}
     assert not rows["int4-a16", "first"]["mapped"] and rows["int4-a16", "later"]["mapped"]
     assert rows["int8-a16", "later"]["kept_mb"] > 0 and "minus import torch" in out
+
+
+def test_verify_benchmark(bench, tiny_model_dir):
+    args = ("--model", str(tiny_model_dir("llama")), "--lengths", "200", "--block-size", "32", "--repeats", "1")
+    out, data = bench("verify", *args)
+    (row,) = data["rows"]
+    assert "verify_s" in out and row["tokens"] == 216
+    # 200 tokens of 32-token blocks: 7 restored; the first, the last and one between, each a block's prefill
+    # and two one-token forwards (the last block holds 8 tokens).
+    assert row["blocks_checked"] == 3 and row["blocks"][0] == 0 and row["blocks"][-1] == 6
+    assert row["check_tokens"] == (32 + 2) * 2 + (8 + 2)
+    assert row["verify_s"] > 0 and row["max_abs_diff"] < 1e-4

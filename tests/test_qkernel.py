@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from kernel_paths import PATHS, on_path
 
 from kvsnap.config import SamplingParams
 from kvsnap.engine.cache import cache_for
@@ -24,9 +25,10 @@ from kvsnap.engine.session import Session
 from kvsnap.models import fused, load_model, qkernel, quantize, weight_codes
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def kernel(kvsnap_home):
-    """Built in the test run's own KVSNAP_HOME (so not at collection, which runs before it is set)."""
+    """Built in the test run's own KVSNAP_HOME (so not at collection, which runs before it is set). Only the
+    tests of kvsnap's kernel take it; those of torch's kernels run everywhere."""
     if qkernel.library() is None:
         pytest.skip(f"no kernel here: {qkernel.unavailable_reason()}")
 
@@ -36,7 +38,9 @@ GREEDY = SamplingParams(temperature=0, max_new_tokens=6)
 
 
 @pytest.fixture(scope="module")
-def int4(tiny_model_dir):
+def int4(tiny_model_dir, kvsnap_home):
+    if qkernel.library() is None:
+        pytest.skip(f"no kernel here: {qkernel.unavailable_reason()}")
     return {arch: load_model(str(tiny_model_dir(arch)), device="cpu", quantize="int4") for arch in ("llama", "qwen2")}
 
 
@@ -46,7 +50,7 @@ def _reference(linear: quantize.QuantizedLinear, x: torch.Tensor) -> torch.Tenso
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_a_product_is_the_weights_product_to_the_activations_rounding(bits, rows):
+def test_a_product_is_the_weights_product_to_the_activations_rounding(kernel, bits, rows):
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 160), torch.randn(96)
     linear = quantize.QuantizedLinear(weight, bias, bits)
@@ -59,7 +63,7 @@ def test_a_product_is_the_weights_product_to_the_activations_rounding(bits, rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernels_int4_quantization_is_the_reference_one_bit_for_bit(dtype):
+def test_the_kernels_int4_quantization_is_the_reference_one_bit_for_bit(kernel, dtype):
     torch.manual_seed(2)
     weight = (torch.randn(70, 96) * 0.05).to(dtype)
     weight[3, :32] = 0.25  # a constant group: its scale is float16's smallest normal
@@ -69,15 +73,61 @@ def test_the_kernels_int4_quantization_is_the_reference_one_bit_for_bit(dtype):
     assert torch.equal(codes, qkernel.pack_q4(q)) and torch.equal(d2, d) and torch.equal(mins2, mins)
 
 
+class _Attention(torch.nn.Module):
+    """What ``fused.fuse`` looks for: q/k/v/o projections."""
+
+    def __init__(self, widths: tuple[int, int, int], bits: int):
+        super().__init__()
+        for name, width in zip(("q_proj", "k_proj", "v_proj", "o_proj"), (*widths, 64)):
+            setattr(self, name, quantize.QuantizedLinear(torch.randn(width, 64), torch.randn(width), bits))
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("bits", [4, 8])
-def test_fused_products_equal_the_separate_ones_bit_for_bit(bits):
+@pytest.mark.parametrize("widths", [(64, 32, 32), (96, 32, 32), (160, 32, 32), (576, 192, 192), (64, 40, 40)])
+def test_a_fused_product_equals_the_separate_ones_bit_for_bit(path, bits, widths):
+    """Any part widths (torch's int4 packing lays outputs out in blocks; 40 is no width its packer takes),
+    on either kernel path: the decode step's fused product is its parts', or the parts run unfused."""
     torch.manual_seed(1)
-    parts = [quantize.QuantizedLinear(torch.randn(n, 64), None, bits) for n in (64, 32, 32)]
+    with on_path(path):
+        module = _Attention(widths, bits)
     x = torch.randn(1, 64)
+    parts = [module.q_proj, module.k_proj, module.v_proj]
     separate = torch.cat([p(x) for p in parts], dim=-1)
-    together = fused.FusedQuantized(parts)
-    assert torch.equal(together(x), separate)
-    assert torch.equal(torch.cat([p(x) for p in parts], dim=-1), separate)  # the parts now view its codes
+    fused.fuse(module)
+    together = module.__dict__.get("qkv")
+    if widths == (576, 192, 192) or path == "kvsnap" or bits == 8:
+        assert together is not None  # where the layout allows, the product is fused
+    if together is not None:
+        assert torch.equal(together(x), separate)
+        assert torch.equal(torch.cat([p(x) for p in parts], dim=-1), separate)  # the parts now view its codes
+
+
+def test_parts_that_cannot_run_as_one_product_are_refused_not_fused_wrong():
+    torch.manual_seed(1)
+    with on_path("torch"):
+        module = _Attention((64, 32, 32), 4)
+    with pytest.raises(ValueError, match="cannot run as one product"):
+        fused.FusedQuantized([module.q_proj, module.k_proj, module.v_proj])
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_a_decode_step_of_a_quantized_model_computes_what_its_prefill_does(tiny_model_dir, tiny_lm, path, arch):
+    """The decode step runs the fused products, a prefill the parts: a token's logits come out alike
+    either way, and near the float model's."""
+    with on_path(path):
+        lm = load_model(str(tiny_model_dir(arch)), device="cpu", quantize="int4")
+    assert lm.model.quantization == ("int4-a16" if path == "kvsnap" else "int4")
+    runner, cache = Runner(lm), cache_for(lm)
+    runner.forward(cache, IDS[:-1], 0)
+    stepped = runner.forward(cache, IDS[-1:], len(IDS) - 1).float().reshape(-1)  # a one-token decode step
+    whole = Runner(lm).forward(cache_for(lm), IDS, 0).float().reshape(-1)
+    plain = tiny_lm(arch)
+    float_logits = Runner(plain).forward(cache_for(plain), IDS, 0).float().reshape(-1)
+    cosine = torch.nn.functional.cosine_similarity
+    assert cosine(stepped, whole, dim=0) > 0.999
+    assert cosine(stepped, float_logits, dim=0) > 0.5  # int4 of random weights: 0.6-0.7; wrong products: 0.2-0.3
 
 
 def _chunked(lm, chunk: int, ids=IDS):
@@ -151,7 +201,7 @@ def test_hooks_on_a_layer_see_every_layer_and_the_result_is_the_same(int4):
 
 @pytest.mark.parametrize("how", ["in place", "replaced"])
 @pytest.mark.parametrize("where", ["mlp.down_proj", "self_attn.k_proj"])  # on its own; fused with q and v
-def test_a_weight_changed_since_is_what_runs_next(tiny_model_dir, how, where):
+def test_a_weight_changed_since_is_what_runs_next(kernel, tiny_model_dir, how, where):
     def change(lm):
         linear = lm.model.model.layers[1].get_submodule(where)
         with torch.no_grad():
@@ -187,7 +237,7 @@ def _load_in_child(home, model_dir, env=None) -> dict:
     return json.loads(ran.stdout.strip().splitlines()[-1])
 
 
-def test_a_library_in_a_folder_others_may_write_is_never_loaded(tiny_model_dir, tmp_path):
+def test_a_library_in_a_folder_others_may_write_is_never_loaded(kernel, tiny_model_dir, tmp_path):
     home = tmp_path / "home"
     (home / "kernels").mkdir(parents=True)
     (home / "kernels").chmod(0o777)
@@ -196,7 +246,7 @@ def test_a_library_in_a_folder_others_may_write_is_never_loaded(tiny_model_dir, 
     assert not list((home / "kernels").iterdir())
 
 
-def test_a_link_planted_at_the_library_name_is_replaced_not_followed(tiny_model_dir, tmp_path):
+def test_a_link_planted_at_the_library_name_is_replaced_not_followed(kernel, tiny_model_dir, tmp_path):
     home, victim = tmp_path / "home", tmp_path / "victim.so"
     victim.write_bytes(b"not a library")
     first = _load_in_child(home, tiny_model_dir("llama"))
@@ -209,9 +259,12 @@ def test_a_link_planted_at_the_library_name_is_replaced_not_followed(tiny_model_
     assert not built.is_symlink() and victim.read_bytes() == b"not a library"
 
 
-def test_without_the_kernel_torch_runs_it_under_another_fingerprint(int4, tiny_model_dir, tmp_path):
+def test_without_the_kernel_torch_runs_it_and_says_why(tiny_model_dir, tmp_path):
     got = _load_in_child(tmp_path / "home", tiny_model_dir("llama"), {"KVSNAP_QKERNEL": "0"})
     assert got == {"q": "int4", "why": "KVSNAP_QKERNEL=0"}
+
+
+def test_a_snapshot_made_on_the_kernel_is_refused_on_torchs(int4, tiny_model_dir, tmp_path):
     path = tmp_path / "a16.kv"
     s = Session(int4["llama"], block_size=8)
     s.prefill(IDS)

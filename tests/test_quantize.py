@@ -6,15 +6,19 @@ explained, by another.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
 import torch
 from cli_helpers import kvsnap
+from kernel_paths import PATHS, on_path
 
 from kvsnap import quantization
 from kvsnap.config import SamplingParams
+from kvsnap.engine.cache import KVCache
 from kvsnap.engine.prepare import forward_kind, start_packing
+from kvsnap.engine.runner import Runner
 from kvsnap.engine.session import Session
 from kvsnap.errors import ConfigError, SnapshotError
 from kvsnap.models import load_model, quantize
@@ -25,23 +29,50 @@ IDS = list(range(5, 45))
 
 @pytest.fixture(scope="module")
 def quantized(tiny_model_dir):
-    """``quantized(mode, arch="llama")``: the tiny model loaded with ``--quantize mode``, once per module."""
+    """``quantized(mode, arch="llama", path=None)``: the tiny model loaded with ``--quantize mode``, once per
+    module; ``path`` (``tests/kernel_paths.py``) picks the kernels, None: what this machine has."""
     loaded = {}
 
-    def get(mode: str, arch: str = "llama"):
-        if (mode, arch) not in loaded:
-            loaded[mode, arch] = load_model(str(tiny_model_dir(arch)), device="cpu", quantize=mode)
-        return loaded[mode, arch]
+    def get(mode: str, arch: str = "llama", path: str | None = None):
+        if (mode, arch, path) not in loaded:
+            with on_path(path) if path else contextlib.nullcontext():
+                loaded[mode, arch, path] = load_model(str(tiny_model_dir(arch)), device="cpu", quantize=mode)
+        return loaded[mode, arch, path]
 
     return get
 
 
+def _chunked(lm, ids: list[int], chunk: int):
+    runner, cache = Runner(lm), KVCache(lm.config)
+    for pos in range(0, len(ids), chunk):
+        logits = runner.forward(cache, ids[pos : pos + chunk], pos)
+    return logits, cache
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_token_computes_the_same_kv_and_logits_in_any_chunking_on_either_kernel(quantized, path, mode, arch):
+    """Torch's kernels round every product's input to bfloat16: the attention's few-ulp differences
+    between chunk sizes would become whole bfloat16 ulps there, so that path runs batch-invariant."""
+    lm = quantized(mode, arch, path)
+    ids = [5 + (i * 7) % 50 for i in range(100)]
+    whole, cache = _chunked(lm, ids, len(ids))
+    for chunk in (1, 7, 33):
+        logits, other = _chunked(lm, ids, chunk)
+        assert torch.equal(logits, whole), chunk
+        for a, b in zip(cache.layers, other.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), chunk
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("chunk", [1, 7])
 def test_a_quantized_resume_equals_its_own_cold_run_and_skips_the_prefix(
-    quantized, mode, chunk, forward_counter, tmp_path
+    quantized, path, mode, chunk, forward_counter, tmp_path
 ):
-    lm = quantized(mode)
+    """Primed in one forward, resumed and run cold in chunks of another size: bit for bit, on either kernel."""
+    lm = quantized(mode, path=path)
     prefix, path = IDS[:27], tmp_path / "p.kv"
     primer = Session(lm, block_size=8)
     primer.prefill(prefix)
@@ -57,7 +88,7 @@ def test_a_quantized_resume_equals_its_own_cold_run_and_skips_the_prefix(
     plan, seen = resumed.prefill(IDS)
     assert counter.tokens == seen == len(IDS) - len(prefix)
     assert counter.calls == math.ceil((len(IDS) - len(prefix)) / chunk) == len(plan.chunks)
-    torch.testing.assert_close(resumed.last_logits, cold_logits, rtol=0, atol=1e-4)
+    assert torch.equal(resumed.last_logits, cold_logits)
     assert resumed.generate(GREEDY).token_ids == cold_tokens
 
 

@@ -61,6 +61,36 @@ def perturb_and_resign(path: Path, block: int, delta: float = 0.5) -> None:
         assert snap.verify() == []  # sound by every integrity check
 
 
+def shift_last_layer_v_and_resign(path: Path, block: int, delta: float) -> None:
+    """Add ``delta`` to the last layer's V of one block only (K/V of the layers before it as they were),
+    re-signed as ``perturb_and_resign`` does. That V feeds no later layer of any position: only the
+    attention of the last layer over it, and so the logits."""
+    with Snapshot(path) as snap:
+        meta, tokens, logits = snap.meta, list(snap.tokens), snap.last_logits()
+        raws = [bytes(r) for r in snap.read_raw(range(len(meta.blocks)))]
+    values = np.frombuffer(raws[block], dtype=np.float32).copy().reshape(meta.layout.num_layers, 2, -1)
+    values[-1, 1] += np.float32(delta)
+    raws[block] = values.tobytes()
+    blocks = [
+        encode_block(raw, b.num_tokens, b.hash, meta.layout.itemsize, meta.codec, meta.level)
+        for raw, b in zip(raws, meta.blocks)
+    ]
+    write_snapshot(path, meta.header, tokens, blocks, last_logits=logits, messages=meta.messages)
+    with Snapshot(path) as snap:
+        assert snap.verify() == []
+
+
+class _Draw:
+    """A stand-in for ``verify.RANDOM`` that draws ``block``."""
+
+    def __init__(self, block: int):
+        self.block = block
+
+    def randrange(self, start: int, stop: int) -> int:
+        assert start <= self.block < stop
+        return self.block
+
+
 def set_recorded(path: Path, **changes: str | None) -> None:
     """Edit the recorded ``made_by`` of a snapshot (None removes the record), re-signing the metadata."""
 
@@ -102,18 +132,43 @@ def test_verify_catches_kv_changed_after_saving_and_resigned(llama, tmp_path):
     assert Session(llama, block_size=BS, verify=False).run(prompt, GREEDY, resume=snap).hit_tokens == 40
 
 
-def test_verify_passes_sound_kv_at_the_cost_of_one_block(llama, tmp_path, forward_counter):
+def test_verify_passes_sound_kv_at_the_cost_of_the_blocks_it_checks(llama, tmp_path, forward_counter, monkeypatch):
     snap = saved(llama, tmp_path / "a.kv", n=43)  # 5 full blocks and a partial tail of 3 tokens
     prompt = ids(43) + [70, 71]
+    monkeypatch.setattr(verify, "RANDOM", _Draw(3))
     counter = forward_counter(llama)
     result = Session(llama, block_size=BS, verify=True).run(prompt, GREEDY, resume=snap)
-    # The partial tail is reused like any block: it is the one checked.
-    assert result.verify["passed"] and result.verify["reason"] == "requested" and result.verify["block"] == 5
-    # A 3-token recompute sums in another order than the 43-token prefill that made the tail: within 1e-5.
+    # The first block, one drawn between, and the partial tail (reused like any block): each at every layer.
+    assert result.verify["passed"] and result.verify["reason"] == "requested"
+    assert result.verify["blocks"] == [0, 3, 5] and result.verify["positions"] == [[0, 8], [24, 32], [40, 43]]
+    # A recompute sums in another order than the 43-token prefill that made the blocks: within 1e-5.
     assert result.verify_max_abs_diff < 1e-5 and result.verify["logits_max_abs_diff"] < 1e-5
     assert result.verify["stored_logits_max_abs_diff"] < 1e-5  # the file's last logits, checked too
     assert result.verify_s > 0 and result.restore_error is None and result.hit_tokens == 43
-    assert counter.tokens == result.prefill_tokens + result.new_tokens - 1 + (3 + 2)
+    checked = (8 + 2) + (8 + 2) + (3 + 2)  # each block's prefill and two one-token forwards
+    assert result.verify["tokens"] == checked
+    assert counter.tokens == result.prefill_tokens + result.new_tokens - 1 + checked
+
+
+@pytest.mark.parametrize("block", [0, 2])
+def test_verify_catches_an_earlier_blocks_last_layer_changed_and_resigned(llama, tmp_path, monkeypatch, block):
+    """The last layer's V of an earlier block feeds no layer a recompute of the last block computes, and
+    the logits over it are the same KV both times: only recomputing that block itself shows it. The
+    first block is always checked; a block between is when it is the one drawn."""
+    snap = saved(llama, tmp_path / "a.kv")  # 5 blocks
+    shift_last_layer_v_and_resign(snap, block, 3.0)
+    monkeypatch.setattr(verify, "RANDOM", _Draw(2))
+    prompt = ids(30) + [70, 71, 72]  # leaves the snapshot inside block 3: no stored logits to compare
+    unchecked = Session(llama, block_size=BS, verify=False).run(prompt, GREEDY, resume=snap)
+    assert unchecked.hit_tokens == 30 and unchecked.text != Session(llama, block_size=BS).run(prompt, GREEDY).text
+    end = (block + 1) * BS - 1
+    with pytest.raises(
+        VerifyError, match=rf"block {block} \(tokens {block * BS}-{end}\) differs from a recompute by 3"
+    ):
+        Session(llama, block_size=BS, verify=True).run(prompt, GREEDY, resume=snap)
+    again = Session(llama, block_size=BS, verify=True, on_mismatch="recompute").run(prompt, GREEDY, resume=snap)
+    assert not again.verify["passed"] and again.verify["block"] == block and block in again.verify["blocks"]
+    assert again.text == Session(llama, block_size=BS).run(prompt, GREEDY).text
 
 
 def test_verify_catches_a_changed_partial_tail_block(llama, tmp_path):
@@ -254,7 +309,8 @@ def test_run_verify_flag_refuses_or_recomputes(tiny_model_dir, llama, tmp_path):
     assert runner.invoke(app, [*args, "--no-verify", "--json"]).exit_code == 0
     shown = runner.invoke(app, [*args, "--verify", "--on-mismatch", "recompute"])
     last = -(-len(tokens) // BS) - 1  # the last block restored, a partial tail included
-    assert f"verified block {last}" in shown.stderr and "refused" in shown.stderr
+    assert "verified blocks 0, " in shown.stderr and f"{last:,}, every layer" in shown.stderr
+    assert "refused" in shown.stderr
 
 
 def test_chat_recomputes_a_conversation_whose_kv_fails_the_check(llama, tiny_model_dir, tmp_path):

@@ -18,6 +18,7 @@ from kvsnap.config import SamplingParams
 from kvsnap.engine.cache import KVCache
 from kvsnap.engine.sampling import TextStream, is_looping, sample
 from kvsnap.errors import ConfigError
+from kvsnap.models import quantize
 from kvsnap.models.load import LoadedModel
 
 
@@ -25,11 +26,12 @@ class Runner:
     """Forward passes over a cache for one loaded model."""
 
     def __init__(self, lm: LoadedModel, exact: bool = False):
-        """``exact``: every forward batch-invariant (``kvsnap.models.exact``; the native forward only)."""
+        """``exact``: every forward batch-invariant (``kvsnap.models.exact``; the native forward only). A
+        native model quantized on torch's CPU kernels always runs so (``quantize.runs_exact``)."""
         if exact and lm.backend != "native":
             raise ConfigError(f"exact needs kvsnap's native forward; this model runs the {lm.backend} one")
         self.lm = lm
-        self.exact = exact
+        self.exact = exact or (lm.backend == "native" and quantize.runs_exact(lm.model))
         self.tokens_seen = 0  # every token any forward of this runner processed
 
     def forward(self, cache: KVCache, token_ids: Sequence[int], start: int) -> torch.Tensor:

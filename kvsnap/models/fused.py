@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvsnap.models import quantize
 from kvsnap.models.quantize import QuantizedLinear
 
 
@@ -25,6 +26,8 @@ class FusedQuantized(nn.Module):
 
     def __init__(self, parts: list[QuantizedLinear]):
         super().__init__()
+        if not fusable(parts):
+            raise ValueError("these linears cannot run as one product (fusable)")
         self.parts = parts  # a plain list: the parts stay where they are in the module tree
         self.widths = [p.out_features for p in parts]
         self._build()
@@ -89,10 +92,15 @@ class FusedQuantized(nn.Module):
 
 
 def fusable(parts: list[object]) -> bool:
-    """Whether ``parts`` can run as one ``FusedQuantized``: CPU quantized linears of one width and layout."""
+    """Whether ``parts`` can run as one ``FusedQuantized``: CPU quantized linears of one width and layout,
+    whose codes laid end to end are the fused product's (torch's int4 layout: only where each part ends
+    on a block of its packing; elsewhere the parts run one by one)."""
     if not parts or not all(isinstance(p, QuantizedLinear) for p in parts):
         return False
     first = parts[0]
+    torch_int4 = first.kernel == "bf16" and first.bits == 4
+    if torch_int4 and not quantize.packs_concatenate(tuple(p.out_features for p in parts)):
+        return False
     return all(
         p.bits == first.bits
         and p.group == first.group

@@ -9,7 +9,8 @@ as soon as its quantized copy exists), the weights stay near the GGUF's own size
   scale per output channel, ``torch.ops.aten._weight_int8pack_mm``.
 - ``int4``: groups of ``GROUP_SIZE`` inputs, a scale and a minimum per group (asymmetric, GGUF's Q4_1); on
   torch's kernels ``_weight_int4pack_mm_for_cpu`` over ``_convert_weight_to_int4pack_for_cpu``'s layout. A
-  linear whose input width is not a multiple of the group size is kept in int8.
+  linear whose input width is not a multiple of the group size is kept in int8, and so is one whose output
+  width torch's packer cannot take (``TORCH_INT4_ROWS``) where torch's kernel would run it.
 - The embedding, and the lm_head (tied to it or not), are int8 under both, in the layout of their kernel:
   the lm_head decides every token, and int8 costs it little memory next to the layers.
 
@@ -17,6 +18,9 @@ The products run in bfloat16 activations, whatever the model's dtype: torch's fl
 kernels are reference loops (10-30x slower than the bfloat16 ones on the 2-core AVX2 VM); the result is
 cast back, so the rest of the forward keeps its dtype. On a GPU (a transformers model), the weight is
 dequantized per product instead: correct everywhere, small in memory, not tuned for speed.
+
+On torch's CPU kernels the native forward always runs batch-invariant (``runs_exact``), so a resume
+equals the cold run as on kvsnap's kernel; there it costs what ``--exact`` costs (``benchmarks/exact.py``).
 
 A quantized model is another model: its KV differs from the float one's, so the quantization is part of
 the fingerprint (``kvsnap.models.fingerprint``), and a snapshot made with one is refused by the other.
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 from typing import Any
 
 import torch
@@ -40,6 +45,7 @@ from kvsnap.quantization import KERNEL_SUFFIX
 
 GROUP_SIZE = 32  # GGUF's Q4 block; group 64 measured worse perplexity for a few % less memory
 COMPUTE_DTYPE = torch.bfloat16
+TORCH_INT4_ROWS = 16  # torch's int4 packer takes output widths in multiples of this only
 
 
 def kernel_for(device: torch.device, in_features: int) -> bool:
@@ -57,10 +63,13 @@ class QuantizedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bits: int, group: int = GROUP_SIZE):
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.kernel = "a16" if group == qkernel.GROUP and kernel_for(weight.device, self.in_features) else "bf16"
         if bits == 4 and self.in_features % group:
             bits = 8  # the kernels take whole groups only
+        torch_packed = self.kernel == "bf16" and weight.device.type == "cpu"
+        if bits == 4 and torch_packed and self.out_features % TORCH_INT4_ROWS:
+            bits = 8  # torch's packer refuses it (a traceback, not a model)
         self.bits, self.group = bits, group
-        self.kernel = "a16" if group == qkernel.GROUP and kernel_for(weight.device, self.in_features) else "bf16"
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.q4 = None  # the GPU path's plain codes
         if bits == 8:
@@ -182,6 +191,21 @@ def _pack_int4(q: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # [N, K/2] uint8, the kernel's order
     return torch.empty(0, dtype=torch.uint8, device=device)  # the GPU path keeps plain codes (q4)
+
+
+@functools.cache
+def packs_concatenate(widths: tuple[int, ...]) -> bool:
+    """Whether torch's int4 packing of parts ``widths`` outputs wide, laid end to end along the outputs, is
+    the packing of their codes laid end to end: it packs the outputs in blocks (32 or 64 by the CPU), so
+    a part that ends inside a block leaves the next part's codes where the kernel does not read them.
+    Probed on random codes (the layout does not depend on the input width), not read from torch's source."""
+    if any(w % TORCH_INT4_ROWS for w in widths):
+        return False
+    cpu = torch.device("cpu")
+    seeded = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (sum(widths), GROUP_SIZE), dtype=torch.int32, generator=seeded)
+    parts = torch.cat([_pack_int4(part.contiguous(), cpu) for part in codes.split(list(widths))])
+    return torch.equal(parts, _pack_int4(codes, cpu))
 
 
 def _unpack_int4(layer: QuantizedLinear) -> torch.Tensor:
@@ -308,10 +332,22 @@ def apply(model: Any, mode: str, dtype: torch.dtype, given: dict[str, dict] | No
             # the whole mapping, and every page the quantization read, resident.
             tensor.data = tensor.data.to(dtype).clone()
     kernels = {m.kernel for m in model.modules() if isinstance(m, QuantizedLinear)}
+    model.batch_invariant = any(
+        m.kernel == "bf16" and m.qweight.device.type == "cpu" for m in model.modules() if isinstance(m, QuantizedLinear)
+    )
     # The fingerprint's name of it: torch's bfloat16 products keep the plain name, kvsnap's kernel adds its own.
     names = {frozenset({"a16"}): f"{mode}{KERNEL_SUFFIX}", frozenset({"bf16"}): mode}
     model.quantization = names.get(frozenset(kernels), f"{mode}-mixed")
     return_freed_memory()
+
+
+def runs_exact(model: Any) -> bool:
+    """Whether ``model``'s forwards must all run batch-invariant (``kvsnap.models.exact``) for a token's KV
+    not to depend on the chunk it ran in: some product runs on torch's CPU kernels. Those round each
+    product's input to bfloat16, so the few ulps a float32 attention differs by between chunk sizes turn
+    into whole bfloat16 ulps, and a resume into another answer than the cold run's (kvsnap's kernel
+    computes every row alike: no need). Their products are tiled as every exact product is."""
+    return bool(getattr(model, "batch_invariant", False))
 
 
 def return_freed_memory() -> None:
