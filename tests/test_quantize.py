@@ -16,7 +16,7 @@ from kernel_paths import PATHS, on_path
 
 from kvsnap import quantization
 from kvsnap.config import SamplingParams
-from kvsnap.engine.cache import KVCache
+from kvsnap.engine.cache import cache_for
 from kvsnap.engine.prepare import forward_kind, start_packing
 from kvsnap.engine.runner import Runner
 from kvsnap.engine.session import Session
@@ -43,7 +43,7 @@ def quantized(tiny_model_dir):
 
 
 def _chunked(lm, ids: list[int], chunk: int):
-    runner, cache = Runner(lm), KVCache(lm.config)
+    runner, cache = Runner(lm), cache_for(lm)
     for pos in range(0, len(ids), chunk):
         logits = runner.forward(cache, ids[pos : pos + chunk], pos)
     return logits, cache
