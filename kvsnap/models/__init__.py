@@ -15,6 +15,7 @@ attention        kvsnap's GQA-aware SDPA, registered with transformers
 packing          the native forward's linear weights reordered for oneDNN
 plain_tokenizer  a native folder's tokenizer.json on the ``tokenizers`` library
 chat_jinja       chat templates rendered on jinja2 alone, in transformers' sandbox
+template_bounds  the bounds on one chat template rendering: size, steps, time
 """
 
 from kvsnap.config import DEFAULT_MODEL
