@@ -285,7 +285,7 @@ class Service:
         reader = None
         if style is not None and req.tool_choice is not None and req.tool_choice.parses:
             reader = ToolStream(style, [t["function"]["name"] for t in req.tools])
-            reader.push(forced_text(style, req.tool_choice))  # the answer's start, written into the prompt
+            reader.prime(forced_text(style, req.tool_choice))  # the answer's start, written into the prompt
 
         def text(piece: str) -> None:
             check()
