@@ -115,3 +115,26 @@ def test_serve_answers_a_failing_template_with_a_400_and_goes_on(model_with):
         ask("boom")
     assert info.value.status == 400 and "chat template" in info.value.message and "\n" not in info.value.message
     assert ask("hi").completion_tokens == 2
+
+
+def test_a_chat_transformers_renders_is_bounded_first(tiny_model_dir, tmp_path, kvsnap_home):
+    """A request with tools renders through transformers: the same bounds are checked before it does."""
+    from tiny_models import TOOL_CHAT_TEMPLATE
+
+    from kvsnap.models import load_model
+
+    hostile = "{% if tools %}{{ 'x' * 300000000 }}{% endif %}" + TOOL_CHAT_TEMPLATE
+    folder = with_chat_template(tiny_model_dir("qwen2"), tmp_path / "tools", hostile)
+    service = Service(load_model(str(folder), device="cpu"), SessionConfig(block_size=16, chunk_size=32))
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    body = {"messages": HI, "max_tokens": 2, "tools": [tool]}
+    tracemalloc.start()
+    try:
+        with pytest.raises(ServeError) as info:
+            service.complete(parse_request(json.dumps(body).encode(), CHAT))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert info.value.status == 400 and "repetition" in info.value.message and "\n" not in info.value.message
+    assert peak < 200 << 20, peak
+    assert service.complete(parse_request(json.dumps({**body, "tools": None}).encode(), CHAT)).completion_tokens == 2

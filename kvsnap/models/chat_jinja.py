@@ -159,6 +159,20 @@ def _bounded_render(tmpl: Any, variables: dict[str, Any], bounds: Bounds) -> str
 @lru_cache(maxsize=16)
 def compiled(template: str) -> Any:
     """The template compiled in transformers' sandbox (once per template text)."""
+    return _environment().from_string(template)
+
+
+def variables(template: str) -> set[str]:
+    """The variables ``template`` reads from its caller; jinja2's ``TemplateSyntaxError`` if it does
+    not parse. Parsed in the bounded sandbox: another environment would fold constant expressions
+    (``'x' * 300000000``) while it reads them."""
+    import jinja2.meta
+
+    return set(jinja2.meta.find_undeclared_variables(_environment().parse(template)))
+
+
+@lru_cache(maxsize=1)
+def _environment() -> Any:
     import jinja2
     import jinja2.ext
     from jinja2.compiler import CodeGenerator
@@ -245,4 +259,4 @@ def compiled(template: str) -> Any:
         return lipsum(n, html, min, max)
 
     env.globals["lipsum"] = bounded_lipsum
-    return env.from_string(template)
+    return env

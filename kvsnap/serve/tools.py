@@ -182,11 +182,12 @@ def _style(template: str) -> str | None:
     """``template_style`` of a template's text (asked at every request with tools: cached)."""
     try:
         import jinja2
-        import jinja2.meta
     except ImportError:
         return None
+    from kvsnap.models.chat_jinja import variables
+
     try:
-        names = jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template))
+        names = variables(template)
     except jinja2.TemplateSyntaxError:
         return None
     if "tools" not in names:
