@@ -202,7 +202,7 @@ def _run(lm, session_config, block_store, keys, max_queue: int, max_connections:
 
     cfg = uvicorn.Config(
         app,
-        http=guarded_protocol(connection_cap(max_connections)),
+        http=guarded_protocol(connection_cap(max_connections), log=ui.note),
         timeout_keep_alive=KEEP_ALIVE_S,
         log_level="warning",
         access_log=False,

@@ -4,7 +4,10 @@ A completion request is checked (key, JSON, model) and given its place in line (
 anything is answered; ``JobResponse`` then waits for its turn, runs the request in the one worker
 thread and answers it as JSON or as server-sent events. It also listens for the client leaving:
 then the worker stops before the model's next step (one token), and the turn passes on only once
-the worker is done, so two requests never touch the model at once. Every error is OpenAI's error JSON; a
+the worker is done, so two requests never touch the model at once. The worker never waits for the
+client: its events go into the request's own queue (as long as the answer, which the context
+bounds), and the turn passes on the moment the worker returns, however far behind the client's
+reading is (``serve_conn`` disconnects a client that stops reading). Every error is OpenAI's error JSON; a
 traceback goes to the server's stderr, never into a response.
 """
 
@@ -131,6 +134,7 @@ class JobResponse:
                     tg.cancel_scope.cancel()
                     return
                 self._future = loop.run_in_executor(self.state.executor, work)
+                self._future.add_done_callback(lambda _: self.ticket.release())
                 try:
                     await self._answer(events, send)
                 except OSError:  # the client left while we wrote to it

@@ -46,6 +46,11 @@ class ModelError(KvsnapError):
     """A model cannot be found, installed, converted or is not supported."""
 
 
+class ChatTemplateError(ModelError):
+    """A model's chat template fails on a chat, or its rendering goes past the bounds on its size,
+    its steps or its time (a template is the model's author's program, run on every chat)."""
+
+
 class UnsupportedModelError(ModelError):
     """The model's cache is not a plain full-attention dynamic cache."""
 

@@ -23,7 +23,16 @@ from kvsnap.engine import runner
 from kvsnap.engine.chat_template import render_chat
 from kvsnap.models import load_model
 from kvsnap.serve import CHAT, ApiKeys, ServeError, Service, Turns, parse_request
-from kvsnap.serve.tools import HERMES, JSON, MISTRAL, ToolStream, forced_text, parse_answer, template_style
+from kvsnap.serve.tools import (
+    HERMES,
+    JSON,
+    MISTRAL,
+    ToolChoice,
+    ToolStream,
+    forced_text,
+    parse_answer,
+    template_style,
+)
 from kvsnap.store import BlockStore
 from kvsnap_cli.serve_app import ServerState, build_app
 
@@ -301,3 +310,14 @@ def test_the_python_api_streams_calls_as_the_server_does(tool_lm, script):
     with pytest.raises(ServeError) as info:
         parse_request({"messages": first_turn(), "tools": [TOOLS[0]] * 2}, CHAT)
     assert info.value.status == 400 and "two tools are named" in info.value.message
+
+
+@pytest.mark.parametrize("style", [HERMES, JSON, MISTRAL])
+@pytest.mark.parametrize("choice", [ToolChoice("required"), ToolChoice("function", "get_weather")])
+def test_an_answer_that_is_no_call_is_the_models_text_without_the_servers_start(style, choice):
+    """required / a named function write the call's start into the prompt; a model that then writes
+    no call gets its own words back as text, never the start the server wrote for it."""
+    reader = ToolStream(style, ["get_weather"])
+    reader.prime(forced_text(style, choice))
+    pieces = [*reader.push("I would rather not call anything."), *reader.finish()]
+    assert pieces == ["I would rather not call anything."]

@@ -8,13 +8,19 @@ did (the same ids, so existing snapshots keep matching).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from kvsnap.errors import ConfigError
+from kvsnap import limits
+from kvsnap.errors import ChatTemplateError, ConfigError, ContextFullError, KvsnapError
+from kvsnap.models import chat_jinja
 from kvsnap.models.load import LoadedModel
+from kvsnap.models.plain_tokenizer import longest_token_bytes
+from kvsnap.models.template_bounds import MAX_CHARS, Bounds, RenderLimit, template_line
 
 
 def _texts(messages: Sequence[dict[str, Any]]) -> list[str]:
@@ -27,10 +33,14 @@ def render_chat(
     messages: Sequence[dict[str, Any]],
     add_generation_prompt: bool = True,
     tools: Sequence[dict[str, Any]] | None = None,
+    fit_chars: int | None = None,
 ) -> list[int]:
     """Token ids of ``messages`` in ``lm``'s chat template; ``tools`` (OpenAI's function tools) go to
-    the template's ``tools`` variable, as transformers' ``apply_chat_template`` passes them."""
-    ids = _render(lm, messages, add_generation_prompt, cut=None, tools=tools)
+    the template's ``tools`` variable, as transformers' ``apply_chat_template`` passes them.
+    ``fit_chars``: a rendering longer than that cannot fit the context, and stops there with
+    ``ContextFullError`` (before it is tokenized). A template that fails, or goes past the bounds of
+    a rendering (``kvsnap.models.chat_jinja``), is a one-line ``ChatTemplateError``."""
+    ids = _render(lm, messages, add_generation_prompt, cut=None, tools=tools, fit_chars=fit_chars)
     assert ids is not None
     return ids
 
@@ -77,6 +87,7 @@ def _render(
     add_generation_prompt: bool,
     cut: str | None,
     tools: Sequence[dict[str, Any]] | None = None,
+    fit_chars: int | None = None,
 ) -> list[int] | None:
     """Render and tokenize; with ``cut``, only the text after that character (None when it is missing)."""
     tok = lm.tokenizer
@@ -93,12 +104,77 @@ def _render(
     if any(s in nested for s in specials):
         raise ConfigError("a tool's schema or a tool call holds special-token text, which cannot be kept as text")
     if not found:
-        text = tok.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **extra
-        )
+        text = _apply(lm, list(messages), add_generation_prompt, extra, fit_chars)
         text = _after(text, cut)
         return None if text is None else list(tok(text, add_special_tokens=False)["input_ids"])
-    return _render_literal(tok, messages, found, specials, add_generation_prompt, extra, cut)
+    return _render_literal(lm, messages, found, specials, add_generation_prompt, extra, cut, fit_chars)
+
+
+def _bounds(lm: LoadedModel, messages: Sequence[dict[str, Any]], extra: dict[str, Any]) -> Bounds:
+    """A rendering's bounds: the text the context can hold (in characters: a character is at least a
+    byte) plus twice what the chat brings, so a conversation longer than the context still renders
+    (to be cut to fit) and a template that makes far more than it is given stops."""
+    room = _room(lm)
+    given = sum(map(len, _texts(messages))) + len(json.dumps(extra, ensure_ascii=False))
+    return Bounds(max_chars=room + 2 * given)
+
+
+_ROOMS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def _room(lm: LoadedModel) -> int:
+    """The characters of text the context can hold at most (the vocabulary is read once per tokenizer)."""
+    context, _ = limits.token_limit(lm.max_positions, lm.context_source)
+    try:
+        per_token = _ROOMS[lm.tokenizer]
+    except (KeyError, TypeError):
+        per_token = longest_token_bytes(lm.tokenizer) or 0
+        with contextlib.suppress(TypeError):  # one that cannot be weakly referenced: read again next time
+            _ROOMS[lm.tokenizer] = per_token
+    return context * per_token if per_token else MAX_CHARS
+
+
+def _apply(
+    lm: LoadedModel,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    extra: dict[str, Any],
+    fit_chars: int | None,
+) -> str:
+    """The chat rendered as text, bounded (``chat_jinja``): a plain chat there, any other one checked
+    there under the same bounds first and then rendered by transformers. Every failure is one line."""
+    tok = lm.tokenizer
+    template = tok.chat_template
+    bounds = _bounds(lm, messages, extra)
+    if fit_chars is not None and fit_chars < bounds.max_chars:
+        bounds = Bounds(max_chars=fit_chars)
+    specials = dict(getattr(tok, "special_tokens_map", {}) or {})
+    try:
+        if chat_jinja.supported(template) and chat_jinja.plain(messages) and not extra:
+            return chat_jinja.render(template, messages, add_generation_prompt, specials, bounds)
+        chat_jinja.check(template, messages, add_generation_prompt, specials, extra.get("tools"), bounds)
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
+    except RenderLimit as exc:
+        if exc.output and fit_chars is not None and bounds.max_chars == fit_chars:
+            raise ContextFullError(
+                f"the chat renders to more than {fit_chars:,} characters of prompt, more than the context holds"
+            ) from None
+        raise ChatTemplateError(f"the chat template of {lm.name} stops: {exc}{_where(exc)}") from None
+    except KvsnapError:
+        raise
+    except Exception as exc:  # a chat template is a program: it may fail in any way
+        text = str(exc).strip().splitlines()
+        first = text[0][:300] if text else type(exc).__name__
+        raise ChatTemplateError(
+            f"the chat template of {lm.name} cannot render this chat: {first} ({type(exc).__name__}{_where(exc, ', ')})"
+        ) from None
+
+
+def _where(exc: BaseException, sep: str = " (") -> str:
+    line = template_line(exc)
+    if line is None:
+        return ""
+    return f"{sep}template line {line}" + (")" if sep == " (" else "")
 
 
 def _after(text: str, cut: str | None) -> str | None:
@@ -116,13 +192,14 @@ def special_texts(tok) -> set[str]:
 
 
 def _render_literal(
-    tok,
+    lm: LoadedModel,
     messages: Sequence[dict[str, Any]],
     found: list[str],
     specials: set[str],
     add_generation_prompt: bool,
     extra: dict[str, Any],
     cut: str | None = None,
+    fit_chars: int | None = None,
 ) -> list[int] | None:
     """Render with each special-token text in the messages replaced by a stand-in, so every control
     token of the result is the template's; tokenize that, then re-tokenize only the stretches between
@@ -140,9 +217,8 @@ def _render_literal(
         }
         for m in messages
     ]
-    text = _after(
-        tok.apply_chat_template(masked, tokenize=False, add_generation_prompt=add_generation_prompt, **extra), cut
-    )
+    tok = lm.tokenizer
+    text = _after(_apply(lm, masked, add_generation_prompt, extra, fit_chars), cut)
     if text is None:
         return None
     try:

@@ -21,6 +21,7 @@ weight_codes     float weights to integer codes and scales, one layout each (Q8_
 gguf_codes       a GGUF's own Q4_0 blocks as kvsnap's int4 codes, where they are the converted weights
 plain_tokenizer  a native folder's tokenizer.json on the ``tokenizers`` library
 chat_jinja       chat templates rendered on jinja2 alone, in transformers' sandbox
+template_bounds  the bounds on one chat template rendering: size, steps, time
 """
 
 from kvsnap.config import DEFAULT_MODEL

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvsnap import limits
 from kvsnap.config import CHAT_SAMPLING, SamplingParams, SessionConfig
-from kvsnap.errors import ConfigError, KvsnapError
+from kvsnap.errors import ConfigError, ContextFullError, KvsnapError
 from kvsnap.models.plain_tokenizer import longest_token_bytes
 from kvsnap.serve.conversations import Conversations, Match
 from kvsnap.serve.protocol import CHAT, FINISH_REASONS, CompletionRequest, ServeError, bad
@@ -188,7 +188,7 @@ class Service:
         style = self.tool_style(req)
         try:
             if req.kind == CHAT:
-                ids = render_chat(self.lm, list(req.messages or ()), tools=req.tools or None)
+                ids = render_chat(self.lm, list(req.messages or ()), tools=req.tools or None, fit_chars=self.text_limit)
                 if (
                     style is not None
                     and req.tool_choice is not None
@@ -197,6 +197,8 @@ class Service:
                     ids += self.lm.tokenizer(forced, add_special_tokens=False)["input_ids"]
             else:
                 ids = list(self.lm.tokenizer(req.prompt)["input_ids"])
+        except ContextFullError as exc:
+            raise bad(str(exc), req.param, code="context_length_exceeded") from None
         except KvsnapError as exc:
             raise bad(str(exc), req.param) from None
         except Exception as exc:  # a chat template is a program: it may refuse a conversation in any way
@@ -283,7 +285,7 @@ class Service:
         reader = None
         if style is not None and req.tool_choice is not None and req.tool_choice.parses:
             reader = ToolStream(style, [t["function"]["name"] for t in req.tools])
-            reader.push(forced_text(style, req.tool_choice))  # the answer's start, written into the prompt
+            reader.prime(forced_text(style, req.tool_choice))  # the answer's start, written into the prompt
 
         def text(piece: str) -> None:
             check()

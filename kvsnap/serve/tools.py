@@ -182,11 +182,12 @@ def _style(template: str) -> str | None:
     """``template_style`` of a template's text (asked at every request with tools: cached)."""
     try:
         import jinja2
-        import jinja2.meta
     except ImportError:
         return None
+    from kvsnap.models.chat_jinja import variables
+
     try:
-        names = jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template))
+        names = variables(template)
     except jinja2.TemplateSyntaxError:
         return None
     if "tools" not in names:
@@ -237,18 +238,35 @@ class ToolStream:
         self.decided = False  # json, mistral: whether the answer starts as a call is known
         self.calls = 0
         self.held = ""  # blank text outside calls, given only if no call comes
+        self.injected = ""  # the answer's start the server wrote into the prompt, until it is read
+
+    def prime(self, text: str) -> None:
+        """Read ``text`` as the answer's start the server wrote into the prompt (``forced_text``):
+        where the model's answer does not complete it into a call, its text is given without it."""
+        self.injected = text
+        self.push(text)
 
     def push(self, text: str) -> list[str | ToolCall]:
         self.buffer += text
-        return self._hermes(final=False) if self.style == HERMES else self._whole(final=False)
+        return self._own(self._hermes(final=False) if self.style == HERMES else self._whole(final=False))
 
     def finish(self) -> list[str | ToolCall]:
         """The rest, once the answer has ended (a call left open is read as it stands)."""
-        out = self._hermes(final=True) if self.style == HERMES else self._whole(final=True)
+        out = self._own(self._hermes(final=True) if self.style == HERMES else self._whole(final=True))
         if self.held and not self.calls:
             out.append(self.held)
         self.buffer = self.held = ""
         return out
+
+    def _own(self, pieces: list[str | ToolCall]) -> list[str | ToolCall]:
+        """``pieces`` without the server's own start of the answer: only what the model wrote is text."""
+        if not self.injected or not pieces:
+            return pieces
+        first, injected, self.injected = pieces[0], self.injected, ""
+        if isinstance(first, str) and first.startswith(injected):
+            rest = first[len(injected) :].lstrip()
+            return [rest, *pieces[1:]] if rest else pieces[1:]
+        return pieces
 
     def _hermes(self, final: bool) -> list[str | ToolCall]:
         out: list[str | ToolCall] = []
