@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from kvsnap.errors import UnsupportedModelError
-from kvsnap.models import load_model, quantize
+from kvsnap.models import gguf_codes, load_model, quantize
 
 FAMILIES = (*tiny_models.ARCHS, *tiny_models.SLIDING)
 # Granite 3's multipliers (its 2B config), so a quantized forward that dropped one would show it.
@@ -119,17 +119,6 @@ def test_the_default_models_quantized_answers_agree_with_its_float_ones(real_mod
         assert agreement >= floor, f"{mode}: top-1 agreement {agreement:.3f} with the float model"
 
 
-_GGUF_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-
 def _unpermute(w, heads: int):
     # llama.cpp's converter interleaves the two rotary halves of each q/k head's rows; transformers undoes it
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -161,15 +150,14 @@ def test_the_default_models_quantized_weights_are_its_ggufs_own_values_bit_for_b
             continue  # int8 of a Q4_1 layer is a requantization, not the file's values
         checked, layers = 0, sorted({0, config.num_hidden_layers // 2, config.num_hidden_layers - 1})
         for i in layers:  # a few layers: dequantizing all 210 of its tensors in numpy takes a minute
-            layer = lm.model.model.layers[i]
-            for short, name in _GGUF_NAMES.items():
+            for short in gguf_codes.LAYER_NAMES:
                 t = tensors[f"blk.{i}.{short}.weight"]
                 assert t.tensor_type.name == "Q4_1"
                 want = np.ascontiguousarray(dequantize(t.data, t.tensor_type))
                 if short in ("attn_q", "attn_k"):
                     heads = config.num_attention_heads if short == "attn_q" else config.num_key_value_heads
                     want = np.ascontiguousarray(_unpermute(want, heads))
-                module = layer.get_submodule(name)
+                module = lm.model.get_submodule(gguf_codes.module_name(t.name))
                 assert torch.equal(module.dequantized(torch.float32), torch.from_numpy(want)), f"{i} {short}"
                 checked += 1
         assert checked == 7 * len(layers)
@@ -226,10 +214,10 @@ def test_a_q4_0_ggufs_own_blocks_are_the_int4_codes_bit_for_bit(tmp_path, monkey
     for name in names:
         t = tensors[name]
         want = np.ascontiguousarray(dequantize(t.data, t.tensor_type))
-        layer, short = int(name.split(".")[1]), name.split(".")[2]
+        short = name.split(".")[2]
         if short in ("attn_q", "attn_k"):
             want = np.ascontiguousarray(_unpermute(want, 9 if short == "attn_q" else 3))
-        module = lm.model.model.layers[layer].get_submodule(_GGUF_NAMES[short])
+        module = lm.model.get_submodule(gguf_codes.module_name(name))
         assert torch.equal(module.dequantized(torch.float32), torch.from_numpy(want)), name
     again = load_model(str(gguf), device="cpu", quantize="int4")
     assert "mapped" in again.load_timings and again.fingerprint == lm.fingerprint

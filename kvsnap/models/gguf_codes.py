@@ -24,7 +24,7 @@ import torch
 GROUP = 32
 SUFFIX = "+q4_0"  # in the quantization's name: some int4 codes are the file's own Q4_0 blocks
 _Q4_0_BYTES = 18  # float16 d, then 16 bytes of codes
-_LAYER_NAMES = {
+LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -40,7 +40,7 @@ def module_name(tensor_name: str) -> str | None:
     ``model.layers.3.self_attn.q_proj``); None for anything else."""
     parts = tensor_name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] == "weight":
-        inner = _LAYER_NAMES.get(parts[2])
+        inner = LAYER_NAMES.get(parts[2])
         return f"model.layers.{int(parts[1])}.{inner}" if inner is not None else None
     return None
 
