@@ -179,3 +179,15 @@ def test_kvsnap_models_lists_a_kept_form_and_models_rm_removes_only_it(home, tin
     gone = kvsnap("models", "rm", form.name)
     assert gone.returncode == 0, gone.stderr
     assert not form.exists() and (folder / "model.safetensors").is_file()
+
+
+def test_each_dtype_keeps_a_form_of_its_own(home, tiny_model_dir):
+    """The float parts (norms, biases) are kept in the run's dtype: a bfloat16 run must not replace the float32
+    run's form, nor map it."""
+    folder = str(tiny_model_dir("llama"))
+    float32 = _run(load_model(folder, device="cpu", quantize="int4"))
+    load_model(folder, device="cpu", quantize="int4", dtype="bfloat16")
+    assert len(_forms()) == 2
+    again = load_model(folder, device="cpu", quantize="int4")
+    assert "mapped" in again.load_timings and _same(_run(again), float32)
+    assert "mapped" in load_model(folder, device="cpu", quantize="int4", dtype="bfloat16").load_timings

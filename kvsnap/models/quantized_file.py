@@ -60,8 +60,12 @@ class Cached:
     identity: dict[str, str]  # the metadata a file must carry to be used: source, mode, kernel, shape
 
 
-def cached_form(source: Path, weights_digest: str, mode: str, kernel_name: str, config: dict[str, Any]) -> Cached:
-    """The file that holds (or will hold) the model in ``source`` quantized ``mode`` for ``kernel_name``."""
+def cached_form(
+    source: Path, weights_digest: str, mode: str, kernel_name: str, config: dict[str, Any], dtype: torch.dtype
+) -> Cached:
+    """The file that holds (or will hold) the model in ``source`` quantized ``mode`` for ``kernel_name``, its
+    float parts (norms, biases) in ``dtype``: each dtype a form of its own, so runs in two never replace one
+    another's."""
     shape = hashlib.blake2b(json.dumps(config, sort_keys=True, default=str).encode(), digest_size=8).hexdigest()
     identity = {
         "format": FORMAT,
@@ -71,6 +75,7 @@ def cached_form(source: Path, weights_digest: str, mode: str, kernel_name: str, 
         "mode": mode,
         "quantization": kernel_name,
         "config": shape,
+        "dtype": str(dtype).removeprefix("torch."),
     }
     key = hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=8).hexdigest()
     return Cached(quantized_root() / f"{quantized_stem(source)}-{kernel_name}-v{LAYOUT}-{key}.safetensors", identity)

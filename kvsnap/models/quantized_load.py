@@ -31,7 +31,7 @@ def native_model(folder: Path, config, raw_config: dict, dtype, mode: str, alias
     name = f"{mode}{KERNEL_SUFFIX}" + (gguf_codes.SUFFIX if gguf is not None else "")
     cached = None
     if qkernel.library() is not None:
-        cached = cached_form(folder, weights_digest(folder), mode, name, raw_config)
+        cached = cached_form(folder, weights_digest(folder), mode, name, raw_config, dtype)
         try:
             model = load(cached, native.NativeCausalLM(config), dtype)
             mark("mapped")
