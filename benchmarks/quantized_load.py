@@ -10,6 +10,11 @@ the kept form's bytes against the model folder's weight files (for a GGUF's conv
 
     .venv/bin/python benchmarks/quantized_load.py                      # the default model, 3 repeats
     .venv/bin/python benchmarks/quantized_load.py --model PATH --modes int8 int4 --repeats 5
+    .venv/bin/python benchmarks/quantized_load.py --llama-site /tmp/llvenv/lib/python3.11/site-packages
+
+``--llama-site``: llama.cpp (llama-cpp-python) loads the same GGUF in processes of its own, alternating with
+kvsnap's: its model and context (``n_ctx`` 1,024, the threads torch has), one token evaluated, then the same
+512 tokens; the same columns, ``import llama_cpp`` counted where kvsnap counts ``import torch``.
 """
 
 from __future__ import annotations
@@ -52,6 +57,33 @@ print(json.dumps({{"total_s": t3 - t0, "load_s": t2 - t1, "peak": status("VmHWM"
 """
 
 
+LLAMA_CHILD = """
+import json, sys, time
+t0 = time.perf_counter()
+sys.path.insert(0, {site!r})
+import llama_cpp
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
+t1 = time.perf_counter()
+llm = llama_cpp.Llama(model_path={gguf!r}, n_ctx=1024, n_threads={threads}, n_threads_batch={threads}, n_batch=512,
+                      verbose=False)
+t2 = time.perf_counter()
+llm.eval([100])
+t3 = time.perf_counter()
+llm.reset()
+llm.eval(list(range(100, 100 + {tokens})))
+print(json.dumps({{"total_s": t3 - t0, "import_s": t1 - t0, "load_s": t2 - t1, "peak": status("VmHWM")}}))
+"""
+
+
+def _llama_child(site: str, gguf: str, tokens: int, threads: int) -> dict:
+    return json.loads(run_child(LLAMA_CHILD.format(site=site, gguf=gguf, tokens=tokens, threads=threads)))
+
+
 def _child(model: str, mode: str, tokens: int, bare: bool = False) -> dict:
     root = str(Path(__file__).resolve().parent.parent)
     code = CHILD.format(root=root, model=model, mode=mode, tokens=tokens, bare=bare)
@@ -68,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", default=["none", "int8", "int4"])
     parser.add_argument("--repeats", type=int, default=3, help="later loads (mapped) per mode")
     parser.add_argument("--tokens", type=int, default=512, help="tokens of the one forward")
+    parser.add_argument("--llama-site", help="site-packages folder holding llama_cpp (omit: kvsnap only)")
     args = parser.parse_args(argv)
 
     from kvsnap.models import catalog, resolve_model
@@ -104,6 +137,25 @@ def main(argv: list[str] | None = None) -> int:
         if mode == "none":
             rows[-1:] = [{**rows[-1], "runs": [first, *later]}]
     source = catalog.marker(folder).get("source")
+    if args.llama_site and isinstance(source, str) and Path(source).is_file():
+        import torch
+
+        runs = [
+            _llama_child(args.llama_site, source, args.tokens, torch.get_num_threads()) for _ in range(args.repeats)
+        ]
+        rows.append(
+            {
+                "mode": "llama.cpp",
+                "load": "-",
+                "mapped": True,
+                "total_s": statistics.median(r["total_s"] for r in runs),
+                "over_torch_s": statistics.median(r["total_s"] - r["import_s"] for r in runs),
+                "load_s": statistics.median(r["load_s"] for r in runs),
+                "peak_mb": statistics.median(r["peak"] for r in runs) / 1e6,
+                "kept_mb": None,
+                "runs": runs,
+            }
+        )
     info = machine()
     print(describe(info))
     print(f"model: {model}; weight files {_weights_bytes(folder) / 1e6:.1f} MB", end="")
