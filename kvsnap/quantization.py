@@ -9,8 +9,6 @@ GGUF's own weights fall in (``auto`` keeps it), are decided here too.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from kvsnap.errors import ConfigError
 
 KERNEL_SUFFIX = "-a16"
@@ -37,7 +35,7 @@ def check_mode(mode: str) -> str:
 
 
 def resolve(mode: str, gguf_class: str | None) -> str:
-    """The quantization a load applies: ``auto`` keeps a GGUF's class (``gguf_class``), else none."""
+    """The quantization a load applies: ``auto`` keeps a GGUF's class (``class_of_gguf_types``), else none."""
     check_mode(mode)
     if mode == "auto":
         return gguf_class or "none"
@@ -60,15 +58,3 @@ def _class_of_type(name: str) -> str:
     if name.startswith(("Q6", "Q8")):
         return "int8"
     return "int4"  # Q2-Q5, IQ*, TQ*: 5 bits or fewer
-
-
-def gguf_class(path: Path) -> str | None:
-    """The class of the GGUF file's layer weights (None: not readable as a GGUF)."""
-    try:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(path))
-        names = [t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
-    except Exception:
-        return None
-    return class_of_gguf_types(names) if names else None

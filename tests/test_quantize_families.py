@@ -11,6 +11,9 @@ attention sharp), so int4's rounding alone keeps the logits close and a lost par
 
 from __future__ import annotations
 
+import os
+import stat
+
 import pytest
 import tiny_models
 import torch
@@ -224,3 +227,38 @@ def test_a_q4_0_ggufs_own_blocks_are_the_int4_codes_bit_for_bit(tmp_path, monkey
     ids = torch.tensor([list(range(100, 140))])
     with torch.inference_mode():
         assert torch.equal(again.model(ids).logits, lm.model(ids).logits)
+
+
+@pytest.mark.slow
+def test_a_ggufs_tensor_types_are_read_once_and_asked_again_when_the_file_or_the_cache_changes(tmp_path, monkeypatch):
+    """--quantize auto reads a GGUF's types in every new process; gguf-py takes seconds to list them."""
+    import shutil
+
+    import gguf as gguf_package
+
+    from kvsnap.models import default_gguf_path
+
+    monkeypatch.setenv("KVSNAP_HOME", str(tmp_path / "home"))
+    path = tmp_path / "model.gguf"
+    shutil.copyfile(default_gguf_path(), path)
+    types = gguf_codes.layer_types(path)
+    assert types["blk.0.attn_q.weight"] == "Q4_1" and len(types) == 7 * 30
+    (cache,) = (tmp_path / "home" / "digests").glob("gguf-*.json")
+    assert stat.S_IMODE(os.lstat(cache).st_mode) == 0o600
+
+    class Refused:
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("parsed again")
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf_package, "GGUFReader", Refused)
+        assert gguf_codes.layer_types(path) == types  # from the cache
+        cache.write_text('{"stamp": [], "types": "not a dict"}')
+        assert gguf_codes.layer_types(path) is None  # a stale cache is not used: it parses, and that is refused
+    assert gguf_codes.layer_types(path) == types
+    with path.open("r+b") as f:  # the file written: its identity changes, so it is read again
+        f.seek(0, 2)
+        f.write(b"\0" * 32)
+    with monkeypatch.context() as m:
+        m.setattr(gguf_package, "GGUFReader", Refused)
+        assert gguf_codes.layer_types(path) is None

@@ -18,7 +18,7 @@ quantize         int8/int4 linears and embedding; a model's modules swapped for 
 quantized_file   a quantized model kept as a file: quantized once, mapped by later loads
 quantized_load   a native model quantized: its kept form mapped, or made (and kept)
 weight_codes     float weights to integer codes and scales, one layout each (Q8_0, Q4_1, torch's)
-gguf_codes       a GGUF's own Q4_0 blocks as kvsnap's int4 codes, where they are the converted weights
+gguf_codes       a GGUF's tensor types (cached), its own Q4_0 blocks as kvsnap's int4 codes
 plain_tokenizer  a native folder's tokenizer.json on the ``tokenizers`` library
 chat_jinja       chat templates rendered on jinja2 alone, in transformers' sandbox
 template_bounds  the bounds on one chat template rendering: size, steps, time

@@ -1,4 +1,4 @@
-"""A GGUF's own Q4_0 blocks as the codes of kvsnap's int4 layout.
+"""What a GGUF's tensors are (``layer_types``, cached), and its own Q4_0 blocks as kvsnap's int4 codes.
 
 Why: a GGUF is converted to float weights, and the quantized model is made from those. Q4_1 and Q8_0 weights
 come back as the file's own codes and scales that way (their layouts are kvsnap's kernel's, found again
@@ -15,6 +15,10 @@ one quantized from its float weights alone: its quantization is named with ``SUF
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -68,17 +72,46 @@ def _interleaved_rows(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, 2, per).swapaxes(1, 2).reshape(rows)
 
 
-def has_q4_0(gguf: Path) -> bool:
-    """Whether the GGUF holds a Q4_0 layer weight (its header only: the blocks are not read)."""
+def layer_types(gguf: Path) -> dict[str, str] | None:
+    """``{tensor name: GGML type name}`` of the GGUF's 2-D layer weights (``blk.*``); None: not readable.
+
+    Why cached: gguf-py's reader parses every metadata value in Python (a 49,152-entry vocabulary: about 2 s
+    on the 2-core VM) to list the tensors, and ``--quantize auto`` asks in every new process. The answer is
+    kept under ``$KVSNAP_HOME/digests`` keyed by the file's identity and times (``fingerprint.file_stamp``:
+    any write changes them), and read back bounded, as input: one that does not parse is asked again."""
+    from kvsnap.models.catalog import kvsnap_home
+    from kvsnap.models.fingerprint import file_stamp
+    from kvsnap.paths import json_object
+
     try:
-        from gguf import GGMLQuantizationType, GGUFReader
+        stamp = file_stamp(os.stat(gguf))
+        key = hashlib.blake2b(str(gguf.resolve()).encode(), digest_size=8).hexdigest()
+    except OSError:
+        return None
+    cache = kvsnap_home() / "digests" / f"gguf-{key}.json"
+    kept = json_object(cache)
+    types = kept.get("types") if kept is not None and kept.get("stamp") == stamp else None
+    if isinstance(types, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in types.items()):
+        return types
+    try:
+        from gguf import GGUFReader
 
         reader = GGUFReader(str(gguf))
-        return any(
-            t.tensor_type == GGMLQuantizationType.Q4_0 and module_name(t.name) is not None for t in reader.tensors
-        )
+        types = {t.name: t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2}
     except Exception:
-        return False
+        return None
+    with contextlib.suppress(OSError):  # a read-only home only costs the parse next time
+        from kvsnap.format.atomic import replace_whole
+
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        replace_whole(cache, [json.dumps({"stamp": stamp, "types": types}).encode()], 0o600)
+    return types
+
+
+def has_q4_0(gguf: Path) -> bool:
+    """Whether the GGUF holds a Q4_0 layer weight of a module (``layer_types``: its blocks are not read)."""
+    types = layer_types(gguf) or {}
+    return any(kind == "Q4_0" and module_name(name) is not None for name, kind in types.items())
 
 
 def own_int4_codes(gguf: Path, weights: dict[str, torch.Tensor], heads: dict[str, int]) -> dict[str, dict]:

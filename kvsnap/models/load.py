@@ -275,7 +275,12 @@ def _quantization(mode: str, folder: Path, device: Any) -> str:
     if quantization.check_mode(mode) == "auto" and device.type != "cpu":
         return "none"
     source = catalog.marker(folder).get("source") if mode == "auto" else None
-    return quantization.resolve(mode, quantization.gguf_class(Path(source)) if isinstance(source, str) else None)
+    if not isinstance(source, str):
+        return quantization.resolve(mode, None)
+    from kvsnap.models.gguf_codes import layer_types
+
+    types = layer_types(Path(source))
+    return quantization.resolve(mode, quantization.class_of_gguf_types(list(types.values())) if types else None)
 
 
 def _context_source(config, ctx_size: int | None) -> str:
