@@ -4,11 +4,13 @@ A FIFO with no writer hangs a read forever, ``/dev/zero`` never ends one, and a 
 symlink or a device would write through it or replace it. Each is refused up front with one
 line; the caller picks the ``KvsnapError`` type (``SnapshotError`` for a ``.kv``, ``ConfigError``
 for a prompt file, ``SaveError`` for a save). Following a symlink to *read* is fine: what is
-checked is the file it names. No torch here.
+checked is the file it names. What kvsnap runs or maps from its own folders (a built kernel, a kept
+quantized model) must be private: ``private_folder`` and ``private_file`` say so. No torch here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from typing import Any, BinaryIO
@@ -112,6 +114,32 @@ def check_save_target(path: str | os.PathLike[str], *, error: type[KvsnapError])
         raise error(f"{path}: is a symbolic link; kvsnap does not save through links (name the file itself)")
     if not stat.S_ISREG(st.st_mode):
         raise error(f"{path}: is {kind_of(st.st_mode)}, not a regular file; refusing to replace it")
+
+
+def private_folder(path: str | os.PathLike[str], *, make: bool = True) -> bool:
+    """``path`` is a real folder of this user's that no one else may write (made so, if ``make`` and missing):
+    where kvsnap keeps what it runs or maps (a built kernel, a quantized model), nobody else may plant a file."""
+    if make:
+        with contextlib.suppress(FileExistsError):
+            os.makedirs(path, mode=0o700)
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and _only_ours(info)
+
+
+def private_file(path: str | os.PathLike[str]) -> bool:
+    """``path`` (not followed if a link) is a regular file of this user's that no one else may write."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(info.st_mode) and _only_ours(info)
+
+
+def _only_ours(info: os.stat_result) -> bool:
+    return info.st_uid == os.getuid() and not info.st_mode & 0o022
 
 
 def _size(n: int) -> str:

@@ -18,7 +18,6 @@ one ran (``kvsnap.models.quantize``), so a snapshot never moves between them.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import hashlib
@@ -26,7 +25,6 @@ import os
 import platform
 import shlex
 import shutil
-import stat
 import subprocess
 import tempfile
 import threading
@@ -35,6 +33,7 @@ from pathlib import Path
 import torch
 
 from kvsnap.models.catalog import kvsnap_home
+from kvsnap.paths import private_file, private_folder
 
 SOURCE = Path(__file__).with_name("qmatmul.c")
 GROUP = 32
@@ -76,25 +75,9 @@ def _compiler() -> tuple[list[str], str] | str:
     return [cc, *words[1:]], version.splitlines()[0] if version else ""
 
 
-def _private_dir(path: Path) -> bool:
-    """``path`` is a real folder of this user's that no one else may write (made so if missing)."""
-    with contextlib.suppress(FileExistsError):
-        path.mkdir(parents=True, mode=0o700)
-    info = os.lstat(path)
-    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o022
-
-
-def _trusted_file(path: Path) -> bool:
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o022
-
-
 def _build(folder: Path, cc: list[str], name: str) -> Path:
     target = folder / name
-    if _trusted_file(target):
+    if private_file(target):
         return target
     work = Path(tempfile.mkdtemp(prefix=".build-", dir=folder))
     try:
@@ -161,7 +144,7 @@ def _library() -> ctypes.CDLL | None:
     digest = hashlib.sha256(SOURCE.read_bytes() + f"|{version}|{' '.join([*cc[1:], *FLAGS])}".encode()).hexdigest()[:24]
     folder = kvsnap_home() / "kernels"
     try:
-        if not _private_dir(folder):
+        if not private_folder(folder):
             raise OSError(f"{folder} is not a private folder of this user's")
         lib = _bind(ctypes.CDLL(str(_build(folder, cc, f"qmatmul-{digest}.so"))))
         if lib.kv_abi_version() != ABI_VERSION:

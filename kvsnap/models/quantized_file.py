@@ -22,7 +22,6 @@ is its own and opaque.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -39,6 +38,7 @@ from kvsnap.models import qkernel
 from kvsnap.models.catalog import quantized_root, quantized_stem
 from kvsnap.models.fused import FusedQuantized
 from kvsnap.models.quantize import QuantizedEmbedding, QuantizedLinear, expected_shapes
+from kvsnap.paths import private_file, private_folder
 
 LAYOUT = 1  # the file's layout: a change to it (or to the kernel's code layout) makes every file another's
 FORMAT = "kvsnap-quantized"
@@ -108,7 +108,7 @@ def save(model: nn.Module, cached: Cached) -> int:
     raw += b" " * (-len(raw) % 8)
     parts: list[bytes | memoryview] = [struct.pack("<Q", len(raw)), raw]
     parts += [memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy()) for t in tensors.values()]
-    if not _private_folder(cached.path.parent):
+    if not private_folder(cached.path.parent):
         raise OSError(f"{cached.path.parent} is not a folder only this user may write")
     return replace_whole(cached.path, parts, 0o600)  # a link at the name is replaced, never written through
 
@@ -192,13 +192,11 @@ def load(cached: Cached, skeleton: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 def _read_header(path: Path) -> tuple[dict[str, Any], int, int]:
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        raise CacheRejected("not made yet") from None
-    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+    if not os.path.lexists(path):
+        raise CacheRejected("not made yet")
+    if not private_file(path):
         raise CacheRejected("not a regular file of this user's that only this user may write")
-    if not _private_folder(path.parent, make=False):
+    if not private_folder(path.parent, make=False):
         raise CacheRejected(f"{path.parent} is not a folder only this user may write")
     try:
         with open(path, "rb", buffering=0) as f:
@@ -347,15 +345,3 @@ def _place(model: nn.Module, name: str, module: nn.Module) -> None:
     owner_name, _, attr = name.rpartition(".")
     owner = model.get_submodule(owner_name) if owner_name else model
     setattr(owner, attr, module)
-
-
-def _private_folder(path: Path, make: bool = True) -> bool:
-    """``path`` is a real folder of this user's that no one else may write (made so, if ``make`` and missing)."""
-    if make:
-        with contextlib.suppress(FileExistsError):
-            path.mkdir(parents=True, mode=0o700)
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o022
